@@ -1,0 +1,113 @@
+"""The optimizer kernel: Adam / AdamW on one rank's flat shard, in place.
+
+Adam is Kingma & Ba (2015), Algorithm 1, with bias correction; weight decay is
+either an L2 term added to the gradient (``decoupled=False``, torch's ``Adam``) or
+decoupled (Loshchilov & Hutter 2019, Algorithm 2 with the schedule multiplier set
+to the learning rate, as torch's ``AdamW``)::
+
+    g  = grad / divisor                       (average over ranks and micro-batches)
+    g += wd * p                               (L2 only)
+    m  = b1 * m + (1 - b1) * g
+    v  = b2 * v + (1 - b2) * (g * g)
+    u  = (m / (1 - b1**t)) / (sqrt(v / (1 - b2**t)) + eps)
+    u += wd * p                               (decoupled only)
+    p -= lr * u
+
+The kernel runs in blocks of ``len(scratch)`` elements with ``out=`` ufuncs, so it
+allocates nothing and keeps its working set in cache. It performs the same IEEE
+operations in the same order as :mod:`zerompi.reference`, so a world of one rank
+reproduces the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Elements per block: 4 arrays + scratch of one block stay within L2 cache.
+BLOCK = 1 << 15
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """Hyperparameters of Adam/AdamW, validated on construction."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "beta1", "beta2", "eps", "weight_decay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+                raise TypeError(f"{name} must be a real number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+            # Plain Python floats: numpy then treats them as weak scalars and computes
+            # in the array's own dtype.
+            object.__setattr__(self, name, value)
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps!r}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not isinstance(self.decoupled, bool):
+            raise TypeError(f"decoupled must be a bool, got {self.decoupled!r}")
+
+
+def adam_step(
+    param: np.ndarray,
+    grad: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    step: int,
+    config: AdamConfig,
+    scratch: np.ndarray,
+    divisor: float = 1.0,
+) -> None:
+    """One Adam step on 1-D views of equal length, in place.
+
+    ``grad`` is consumed (used as a second scratch buffer). ``step`` is the 1-based
+    step count used for bias correction; ``divisor`` averages a gradient that was
+    summed over ranks and micro-batches.
+    """
+    c = config
+    bc1 = 1.0 - c.beta1**step
+    bc2 = 1.0 - c.beta2**step
+    n = param.shape[0]
+    for lo in range(0, n, scratch.shape[0]):
+        hi = min(lo + scratch.shape[0], n)
+        p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
+        t = scratch[: hi - lo]
+        if divisor != 1.0:
+            np.divide(g, divisor, out=g)
+        if c.weight_decay and not c.decoupled:
+            np.multiply(p, c.weight_decay, out=t)
+            np.add(g, t, out=g)
+        np.multiply(m, c.beta1, out=m)
+        np.multiply(g, 1.0 - c.beta1, out=t)
+        np.add(m, t, out=m)
+        np.multiply(v, c.beta2, out=v)
+        np.multiply(g, g, out=t)
+        np.multiply(t, 1.0 - c.beta2, out=t)
+        np.add(v, t, out=v)
+        np.divide(v, bc2, out=t)
+        np.sqrt(t, out=t)
+        np.add(t, c.eps, out=t)
+        np.divide(m, bc1, out=g)
+        np.divide(g, t, out=g)
+        if c.weight_decay and c.decoupled:
+            np.multiply(p, c.weight_decay, out=t)
+            np.add(g, t, out=g)
+        np.multiply(g, c.lr, out=g)
+        np.subtract(p, g, out=p)

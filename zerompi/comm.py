@@ -1,0 +1,130 @@
+"""Every MPI call zerompi makes lives in this module.
+
+The data path is two collectives with exact variable counts and no padding:
+``Reduce_scatter`` (explicit ``recvcounts``, so mpi4py does not run an extra
+Allgather to discover them) and ``Allgatherv``, both in place on a bucket of the
+flat buffer. Ranks that own an empty shard pass a count of zero and take part like
+any other. Around it, small collectives make validation collective: an error found
+on one rank is raised on every rank, instead of leaving the others waiting forever
+in their next collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+
+class CollectiveError(ValueError):
+    """Raised identically on every rank when validation failed on any rank."""
+
+
+#: Predefined MPI types: reductions (MPI_SUM) are defined on these, not on user types.
+_MPI_TYPES = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
+
+
+def _mpi_type(array: np.ndarray) -> MPI.Datatype:
+    return _MPI_TYPES[array.dtype]
+
+
+class Comm:
+    """The communicator zerompi runs on, with the collectives it needs."""
+
+    def __init__(self, comm: MPI.Intracomm | None = None) -> None:
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
+        self.mpi = comm
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+
+    # -- data path -------------------------------------------------------------
+
+    def reduce_scatter_inplace(self, buf: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+        """Sum ``buf`` over ranks and scatter it: rank r receives elements
+        ``[displs[r], displs[r] + counts[r])`` of the sum, written to the *top* of
+        its own ``buf`` (MPI_IN_PLACE). Returns that view, ``buf[:counts[rank]]``."""
+        self.mpi.Reduce_scatter(
+            MPI.IN_PLACE, [buf, _mpi_type(buf)], recvcounts=list(counts), op=MPI.SUM
+        )
+        return buf[: counts[self.rank]]
+
+    def allgatherv_inplace(
+        self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int]
+    ) -> None:
+        """Every rank contributes ``buf[displs[r]:displs[r]+counts[r]]`` and receives
+        everyone's slice into the same buffer (MPI_IN_PLACE)."""
+        self.mpi.Allgatherv(MPI.IN_PLACE, [buf, list(counts), list(displs), _mpi_type(buf)])
+
+    def bcast_inplace(self, buf: np.ndarray, root: int = 0) -> None:
+        """Overwrite ``buf`` on every rank with root's contents."""
+        self.mpi.Bcast([buf, _mpi_type(buf)], root=root)
+
+    # -- small collectives -----------------------------------------------------
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's (small, picklable) ``obj``, in rank order."""
+        return self.mpi.allgather(obj)
+
+    def max(self, value: float) -> float:
+        """Maximum of a scalar over ranks."""
+        return self.mpi.allreduce(value, op=MPI.MAX)
+
+    def sum(self, value: float) -> float:
+        """Sum of a scalar over ranks."""
+        return self.mpi.allreduce(value, op=MPI.SUM)
+
+    def barrier(self) -> None:
+        self.mpi.Barrier()
+
+    def agree(self, error: BaseException | None) -> None:
+        """Collective: raise on every rank if ``error`` is set on any rank.
+
+        The raised exception keeps the type of the first failing rank's error when it
+        is a ``TypeError`` or ``ValueError`` and names the ranks it was found on.
+        """
+        errors = self.allgather(None if error is None else (type(error).__name__, str(error)))
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return
+        _, (kind, message) = failed[0]
+        ranks = [r for r, e in failed if e == (kind, message)]
+        where = (
+            f"on all {self.size} ranks"
+            if len(ranks) == self.size
+            else f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        )
+        others = len(failed) - len(ranks)
+        if others:
+            where += f"; {others} other rank(s) failed differently"
+        exc_type = {"TypeError": TypeError}.get(kind, CollectiveError)
+        raise exc_type(f"{message} ({where} of {self.size})")
+
+    def check_same(self, value: Any, what: str) -> None:
+        """Collective: raise on every rank unless ``value`` is equal on all ranks.
+
+        For sequences the message names the first item that differs."""
+        values = self.allgather(value)
+        for r, other in enumerate(values):
+            if other != values[0]:
+                raise CollectiveError(
+                    f"{what} differs between ranks: {_difference(values[0], other, r)}"
+                )
+
+
+def _difference(ref: Any, other: Any, rank: int) -> str:
+    if isinstance(ref, (list, tuple)) and isinstance(other, (list, tuple)):
+        for i, (a, b) in enumerate(zip(ref, other, strict=False)):
+            if a != b:
+                return f"item {i} is {_short(a)} on rank 0 but {_short(b)} on rank {rank}"
+        return f"rank 0 has {len(ref)} items, rank {rank} has {len(other)}"
+    return f"rank 0 has {_short(ref)}, rank {rank} has {_short(other)}"
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

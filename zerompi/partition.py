@@ -1,0 +1,200 @@
+"""How flat data is split across ranks: the whole partition story in one function.
+
+Every sharded object in zerompi (a bucket of parameters, its gradient, its Adam
+moments) is a flat vector of ``total`` elements. Rank ``r`` of ``W`` owns the
+contiguous slice ``shard_range(total, W, r)``: ceil-div slices, so trailing ranks
+may own nothing. The slices are disjoint and cover ``[0, total)`` exactly, which is
+what lets collectives use exact variable counts with no padding, and what makes a
+checkpoint of the global vectors independent of the world size.
+
+This module is pure Python + numpy (no MPI) so that layouts for any world size can
+be built and checked in a single process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: dtypes zerompi shards. Adam on integers or float16 master weights is not offered.
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def shard_range(total: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Half-open element range ``[start, end)`` of the flat data owned by ``rank``.
+
+    Rank ``r`` owns ``[r*c, min((r+1)*c, total))`` clamped to ``total``, with
+    ``c = ceil(total / world_size)``. Trailing ranks may own an empty range.
+
+    Raises ``ValueError`` naming the value for ``world_size < 1``, ``rank`` outside
+    ``[0, world_size)`` or a negative ``total``.
+    """
+    total = _check_int("total", total)
+    world_size = _check_int("world_size", world_size)
+    rank = _check_int("rank", rank)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    per_rank = -(-total // world_size)
+    return min(rank * per_rank, total), min((rank + 1) * per_rank, total)
+
+
+def shard_counts(total: int, world_size: int) -> tuple[list[int], list[int]]:
+    """Counts and displacements of every rank's shard: the arguments of
+    ``Reduce_scatter(recvcounts=...)`` and ``Allgatherv``."""
+    ranges = [shard_range(total, world_size, r) for r in range(world_size)]
+    return [end - start for start, end in ranges], [start for start, _ in ranges]
+
+
+def plan_buckets(sizes: Sequence[int], target: int) -> list[list[int]]:
+    """Group consecutive items into buckets of at most ``target`` elements.
+
+    Greedy and order-preserving; an item larger than ``target`` gets a bucket of its
+    own (the reference's ``calculate_bucket_size``). Returns lists of item indices.
+    """
+    target = _check_int("target", target)
+    if target < 1:
+        raise ValueError(f"bucket target must be >= 1 element, got {target}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_size = 0
+    for i, size in enumerate(sizes):
+        if current and current_size + size > target:
+            buckets.append(current)
+            current, current_size = [], 0
+        current.append(i)
+        current_size += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def shard(array: np.ndarray, world_size: int, rank: int) -> np.ndarray:
+    """``rank``'s slice of ``array`` flattened, as a copy that owns only its elements.
+
+    Values are copied verbatim (a gradient shard is not rescaled by ``1/W``).
+    """
+    flat = np.asarray(array).reshape(-1)
+    start, end = shard_range(flat.size, world_size, rank)
+    return flat[start:end].copy()
+
+
+def gather_shards(shards: Sequence[np.ndarray], shape: Sequence[int]) -> np.ndarray:
+    """Concatenate shards given in rank order and reshape: the inverse of :func:`shard`."""
+    flat = np.concatenate([np.asarray(s).reshape(-1) for s in shards])
+    expected = int(np.prod(shape, dtype=np.int64))
+    if flat.size != expected:
+        raise ValueError(
+            f"gathered {flat.size} elements but the global shape {tuple(shape)} needs {expected}"
+        )
+    return flat.reshape(shape)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Where one named parameter lives in its dtype's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A contiguous run ``[start, stop)`` of one dtype's flat buffer, sharded over
+    all ranks: the unit of every collective."""
+
+    dtype: np.dtype
+    start: int
+    stop: int
+    names: tuple[str, ...]
+    counts: tuple[int, ...]
+    displs: tuple[int, ...]
+    shard_offset: int  # where this rank's shard of the bucket starts in the shard buffer
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def local(self, rank: int) -> tuple[int, int]:
+        """This rank's shard as a range relative to the bucket start."""
+        return self.displs[rank], self.displs[rank] + self.counts[rank]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The flat layout of a model on one rank of a world of ``world_size``.
+
+    Parameters of each dtype are packed, in the mapping's order, into one flat
+    buffer per dtype; each buffer is cut into buckets (:func:`plan_buckets`) and
+    each bucket is sharded with :func:`shard_range`. ``shard_sizes[dtype]`` is the
+    length of this rank's concatenated shards of that dtype.
+    """
+
+    world_size: int
+    rank: int
+    params: tuple[ParamSpec, ...]
+    buckets: tuple[Bucket, ...]
+    sizes: Mapping[np.dtype, int]
+    shard_sizes: Mapping[np.dtype, int]
+
+    @classmethod
+    def build(
+        cls,
+        specs: Sequence[tuple[str, tuple[int, ...], np.dtype]],
+        world_size: int,
+        rank: int,
+        bucket_elems: int,
+    ) -> Layout:
+        shard_range(0, world_size, rank)  # validates world_size and rank
+        params: list[ParamSpec] = []
+        buckets: list[Bucket] = []
+        sizes: dict[np.dtype, int] = {}
+        shard_sizes: dict[np.dtype, int] = {}
+        dtypes = list(dict.fromkeys(np.dtype(d) for _, _, d in specs))
+        for dtype in dtypes:
+            group = [(n, tuple(s)) for n, s, d in specs if np.dtype(d) == dtype]
+            offset = 0
+            for name, shape in group:
+                size = int(np.prod(shape, dtype=np.int64))
+                params.append(ParamSpec(name, shape, dtype, offset, size))
+                offset += size
+            sizes[dtype] = offset
+            group_specs = params[len(params) - len(group) :]
+            shard_offset = 0
+            for members in plan_buckets([p.size for p in group_specs], bucket_elems):
+                start = group_specs[members[0]].offset
+                last = group_specs[members[-1]]
+                stop = last.offset + last.size
+                counts, displs = shard_counts(stop - start, world_size)
+                buckets.append(
+                    Bucket(
+                        dtype,
+                        start,
+                        stop,
+                        tuple(group_specs[i].name for i in members),
+                        tuple(counts),
+                        tuple(displs),
+                        shard_offset,
+                    )
+                )
+                shard_offset += counts[rank]
+            shard_sizes[dtype] = shard_offset
+        return cls(world_size, rank, tuple(params), tuple(buckets), sizes, shard_sizes)
+
+    def describe(self) -> tuple:
+        """A rank-independent description: equal on all ranks iff the layouts agree."""
+        return tuple((p.name, p.shape, p.dtype.str) for p in self.params)
