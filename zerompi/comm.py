@@ -81,6 +81,11 @@ class Comm:
     def barrier(self) -> None:
         self.mpi.Barrier()
 
+    def abort(self, code: int = 1) -> None:
+        """End every process of the job (all of COMM_WORLD), not just this
+        communicator: the only safe exit when this rank cannot continue."""
+        MPI.COMM_WORLD.Abort(code)
+
     def agree(self, error: BaseException | None) -> None:
         """Collective: raise on every rank if ``error`` is set on any rank.
 
@@ -114,6 +119,11 @@ class Comm:
                 raise CollectiveError(
                     f"{what} differs between ranks: {_difference(values[0], other, r)}"
                 )
+
+
+def library_version() -> str:
+    """First line of the MPI library's version string (e.g. "MPICH Version: 5.0.2")."""
+    return MPI.Get_library_version().strip().splitlines()[0].strip()
 
 
 def _difference(ref: Any, other: Any, rank: int) -> str:

@@ -1,0 +1,518 @@
+"""Train the numpy MLP of :mod:`zerompi.mlp` with :class:`zerompi.ZeroOptimizer`.
+
+Run as ``mpiexec -n W python -m zerompi.driver [options]`` (``--help`` lists them).
+Every global batch is split into micro-batches with :func:`zerompi.shard_range`, and
+each micro-batch's rows are split over the ranks the same way; each rank adds the
+gradient of its rows into ``opt.grads``, scaled by ``W / rows`` so that the
+optimizer's division by ``W * micro_batches`` yields the mean gradient of every
+micro-batch, averaged over micro-batches. Rank 0 prints progress and a summary and,
+with ``--json``, writes the figures to a file.
+
+``--verify`` then retrains the same model unsharded in rank 0 alone, with
+:class:`zerompi.reference.ReferenceAdam` on the same batches, and compares the
+parameters: the exit status is 1 on every rank if they differ by more than a
+tolerance for the dtype.
+
+An exception on one rank prints ``zerompi.driver: rank R failed: ...`` with its
+traceback and aborts the whole MPI job, so that ``mpiexec`` never hangs waiting for
+the other ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import numpy as np
+
+from . import mlp
+from .comm import Comm, library_version
+from .engine import DEFAULT_BUCKET_ELEMS, PHASES, ZeroOptimizer
+from .partition import shard_range
+from .reference import ReferenceAdam, average
+
+#: Largest accepted ``max_abs_diff / max|reference param|`` of ``--verify``.
+TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that only prints on rank 0, so ``--help`` and usage
+    errors appear once instead of once per rank (every rank still exits)."""
+
+    def __init__(self, *args: Any, rank: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rank = rank
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if self._rank == 0:
+            super()._print_message(message, file)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if self._rank != 0:
+            message = None
+        super().exit(status, message)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: ...)" only for options that have a meaningful default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def _non_negative(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return number
+
+
+def _non_negative_float(value: str) -> float:
+    number = float(value)
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return number
+
+
+def build_parser(rank: int = 0) -> argparse.ArgumentParser:
+    """The command line of ``python -m zerompi.driver``."""
+    p = _Parser(
+        prog="python -m zerompi.driver",
+        rank=rank,
+        description=(
+            "Train an MLP classifier (numpy, hand-written backward) with zerompi's sharded "
+            "Adam (ZeRO stage 1 or 2) on a synthetic, learnable task. Run it under "
+            "'mpiexec -n W'. Rank 0 prints the loss and the step time every --log-every "
+            "steps and a summary at the end."
+        ),
+        epilog=(
+            "A run of >= 16 million parameters: --hidden 2048 --depth 4 --in-dim 2048 "
+            "(16.8M; wide layers want a smaller rate, e.g. --lr 1e-4, and --dtype float32 "
+            "halves the memory). Timings are the slowest rank's medians over the steps, "
+            "the first (warm-up) step excluded. --verify tolerates a relative difference of "
+            "1e-4 in float32 and 1e-10 in float64: the W-rank and one-process runs sum "
+            "gradients in different orders, and the hidden activation is smooth (tanh) so "
+            "that these rounding differences stay rounding differences."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "--stage",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="ZeRO stage: 1 shards the Adam moments, 2 also the gradients",
+    )
+    p.add_argument("--steps", type=_positive, default=200, help="optimizer steps to train")
+    p.add_argument(
+        "--seed",
+        type=_non_negative,
+        default=0,
+        help="seed of the initial parameters and of the data",
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="rank 0 writes the results (losses, timings, memory, ...) to PATH",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="afterwards retrain unsharded in rank 0 with the reference Adam and "
+        "fail (exit 1) unless the parameters agree within "
+        f"{TOLERANCE['float32']:g} (float32) / {TOLERANCE['float64']:g} "
+        "(float64), relative to the largest parameter",
+    )
+    p.add_argument("--hidden", type=_positive, default=128, help="width of the hidden layers")
+    p.add_argument(
+        "--depth",
+        type=_non_negative,
+        default=2,
+        help="number of hidden layers (0: a linear classifier)",
+    )
+    p.add_argument("--in-dim", type=_positive, default=32, help="input features")
+    p.add_argument("--classes", type=_positive, default=10, help="output classes")
+    p.add_argument(
+        "--batch",
+        type=_positive,
+        default=256,
+        help="rows of every global batch, over all ranks and micro-batches",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=_positive,
+        default=1,
+        help="split every global batch into this many micro-batches "
+        "(gradient accumulation); each must get at least one row",
+    )
+    p.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate")
+    p.add_argument(
+        "--weight-decay",
+        type=_non_negative_float,
+        default=0.0,
+        help="weight decay: an L2 term added to the gradient, or see --adamw",
+    )
+    p.add_argument(
+        "--adamw", action="store_true", help="decoupled weight decay (AdamW) instead of L2"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "float64"),
+        default="float32",
+        help="dtype of the parameters, gradients, optimizer state and data",
+    )
+    p.add_argument(
+        "--bucket-elems",
+        type=_positive,
+        default=DEFAULT_BUCKET_ELEMS,
+        help="target elements per bucket (the unit of every collective)",
+    )
+    p.add_argument(
+        "--blas-threads",
+        type=_positive,
+        default=None,
+        help="OpenBLAS threads per rank for the forward/backward matmuls (default: "
+        "as OPENBLAS_NUM_THREADS/OMP_NUM_THREADS say if set, else cores // ranks "
+        "when there is more than one rank)",
+    )
+    p.add_argument(
+        "--log-every",
+        type=_positive,
+        default=20,
+        help="rank 0 prints a progress line every this many steps "
+        "(and for the first and the last step)",
+    )
+    return p
+
+
+def parse_args(argv: Sequence[str] | None, rank: int = 0) -> argparse.Namespace:
+    """Parse and cross-check the options (identically on every rank)."""
+    parser = build_parser(rank)
+    args = parser.parse_args(argv)
+    rows = micro_batch_rows(args.batch, args.micro_batches)
+    if 0 in rows:
+        parser.error(
+            f"--batch {args.batch} split into --micro-batches {args.micro_batches} with "
+            f"shard_range gives micro-batches of {rows} rows; every micro-batch needs at "
+            "least one row (use a larger --batch or fewer --micro-batches)"
+        )
+    return args
+
+
+def micro_batch_rows(batch: int, micro_batches: int) -> list[int]:
+    """Rows of each micro-batch of a global batch (split with ``shard_range``)."""
+    ranges = (shard_range(batch, micro_batches, m) for m in range(micro_batches))
+    return [hi - lo for lo, hi in ranges]
+
+
+def openblas_threads() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """``(get, set)`` of the number of threads numpy's OpenBLAS uses, or ``None`` when
+    no OpenBLAS is loaded (another BLAS, or not Linux). Works at run time, after
+    numpy (and OpenBLAS's thread pool) has started, which environment variables
+    cannot: ``python -m zerompi.driver`` imports numpy before this module runs.
+
+    Why: every rank's OpenBLAS otherwise keeps one spinning thread per core, so W
+    ranks on one node oversubscribe the cores and a small matmul can take tens of
+    milliseconds instead of microseconds.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted(
+                {ln.split()[-1] for ln in maps if "openblas" in ln.lower() and "/" in ln}
+            )
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)  # already loaded: this only looks it up
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", "_64_", ""):
+                try:
+                    setter = getattr(lib, f"{prefix}_set_num_threads{suffix}")
+                    getter = getattr(lib, f"{prefix}_get_num_threads{suffix}")
+                except AttributeError:
+                    continue
+                setter.argtypes, setter.restype = [ctypes.c_int], None
+                getter.argtypes, getter.restype = [], ctypes.c_int
+                return getter, setter
+    return None
+
+
+def _auto_blas_threads(world: int) -> int | None:
+    """Threads per rank when ``--blas-threads`` is not given: left alone (``None``)
+    when the environment chooses (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``) or
+    there is one rank, else the cores this process may use divided by the ranks
+    (assumes that the ranks share one node: pass ``--blas-threads`` otherwise)."""
+    if world == 1 or any(v in os.environ for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world)
+
+
+def _median_ms(seconds: Sequence[float]) -> float:
+    """Median in milliseconds, without the first (warm-up) value when there are more."""
+    values = seconds[1:] if len(seconds) > 1 else seconds
+    return 1e3 * statistics.median(values)
+
+
+def _format_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:.4g} {unit}"
+        count /= 1024
+    return f"{count:.4g} GiB"
+
+
+def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str, Any]]:
+    """The sharded training run. Returns the optimizer and the (global) figures."""
+    dtype = np.dtype(args.dtype)
+    sizes = mlp.layer_sizes(args.in_dim, args.hidden, args.depth, args.classes)
+    opt = ZeroOptimizer(
+        mlp.init_params(sizes, args.seed, dtype),
+        comm=comm.mpi,
+        stage=args.stage,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        decoupled_weight_decay=args.adamw,
+        bucket_elems=args.bucket_elems,
+    )
+    comm = opt.comm  # every collective below goes through the optimizer's Comm
+    world, rank = comm.size, comm.rank
+    rows = micro_batch_rows(args.batch, args.micro_batches)
+    params = sum(spec.size for spec in opt.layout.params)
+    if rank == 0:
+        print(
+            f"zerompi.driver: MLP {'-'.join(map(str, sizes))}, {params:,} params "
+            f"({args.dtype}), world size {world}, stage {args.stage}, "
+            f"{len(opt.layout.buckets)} bucket(s), batch {args.batch} in "
+            f"{args.micro_batches} micro-batch(es), {args.steps} steps",
+            flush=True,
+        )
+    losses: list[float] = []
+    step_s: list[float] = []
+    train_s: list[float] = []
+    phase_s: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    clock = time.perf_counter
+    comm.barrier()  # start the clocks together
+    for step in range(args.steps):
+        start = clock()
+        local_loss = 0.0
+        optimizer = 0.0
+        for micro, micro_rows in enumerate(rows):
+            x, y = mlp.make_batch(
+                args.seed, step, micro, micro_rows, args.in_dim, args.classes, dtype
+            )
+            lo, hi = shard_range(micro_rows, world, rank)
+            local_loss += mlp.loss_and_grad(
+                opt.params, x[lo:hi], y[lo:hi], opt.grads, world / micro_rows
+            )
+            t0 = clock()
+            opt.accumulate()
+            optimizer += clock() - t0
+        t0 = clock()
+        opt.step()
+        end = clock()
+        step_s.append(optimizer + end - t0)
+        train_s.append(end - start)
+        for phase, seconds in opt.pop_timings().items():
+            phase_s[phase].append(seconds)
+        losses.append(comm.sum(local_loss) / args.batch)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            print(
+                f"step {step + 1:>{len(str(args.steps))}}/{args.steps}  "
+                f"loss {losses[-1]:.4f}  step {1e3 * step_s[-1]:.2f} ms  "
+                f"train step {1e3 * train_s[-1]:.2f} ms",
+                flush=True,
+            )
+    memory = {k: int(comm.max(v)) for k, v in opt.memory_usage().items()}
+    results: dict[str, Any] = {
+        "world_size": world,
+        "stage": args.stage,
+        "params": params,
+        "steps": args.steps,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "micro_batches": args.micro_batches,
+        "buckets": len(opt.layout.buckets),
+        "layer_sizes": sizes,
+        "lr": args.lr,
+        "weight_decay": args.weight_decay,
+        "adamw": args.adamw,
+        "seed": args.seed,
+        "bucket_elems": args.bucket_elems,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        # The slowest rank's medians: the step is only as fast as the last rank.
+        "step_ms": comm.max(_median_ms(step_s)),
+        "train_step_ms": comm.max(_median_ms(train_s)),
+        "phase_ms": {phase: comm.max(_median_ms(phase_s[phase])) for phase in PHASES},
+        "memory_bytes": memory,
+        "mpi_library": library_version(),
+        "losses": losses,
+    }
+    return opt, results
+
+
+def reference_params(args: argparse.Namespace) -> dict[str, np.ndarray]:
+    """Train the same model unsharded, in this process alone, on the same batches:
+    the gradient of a micro-batch is the mean over its rows, and a step's gradient
+    the average of its micro-batches' (``zerompi.reference.average``)."""
+    dtype = np.dtype(args.dtype)
+    sizes = mlp.layer_sizes(args.in_dim, args.hidden, args.depth, args.classes)
+    ref = ReferenceAdam(
+        mlp.init_params(sizes, args.seed, dtype),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        decoupled_weight_decay=args.adamw,
+    )
+    rows = micro_batch_rows(args.batch, args.micro_batches)
+    for step in range(args.steps):
+        micro_grads = []
+        for micro, micro_rows in enumerate(rows):
+            x, y = mlp.make_batch(
+                args.seed, step, micro, micro_rows, args.in_dim, args.classes, dtype
+            )
+            grads = {name: np.zeros_like(p) for name, p in ref.params.items()}
+            mlp.loss_and_grad(ref.params, x, y, grads, 1.0 / micro_rows)
+            micro_grads.append(grads)
+        ref.step({name: average(g[name] for g in micro_grads) for name in ref.params})
+    return ref.params
+
+
+def verify(args: argparse.Namespace, opt: ZeroOptimizer) -> dict[str, float]:
+    """Collective: compare the sharded model with the reference, trained by rank 0
+    while the other ranks wait in the final allgather. Every rank gets the result."""
+    result = None
+    if opt.comm.rank == 0:
+        start = time.perf_counter()
+        ref = reference_params(args)
+        max_abs = max(float(np.max(np.abs(opt.params[n] - ref[n]))) for n in ref)
+        scale = max(float(np.max(np.abs(p))) for p in ref.values())
+        result = {
+            "max_abs_diff": max_abs,
+            "max_rel_diff": max_abs / scale if scale else max_abs,
+            "tolerance": TOLERANCE[args.dtype],
+            "reference_s": time.perf_counter() - start,
+        }
+    return opt.comm.allgather(result)[0]
+
+
+def run(args: argparse.Namespace, comm: Comm) -> int:
+    """Train, summarise, optionally verify and write JSON. Returns the exit status."""
+    blas = openblas_threads()
+    previous = blas[0]() if blas else None
+    threads = args.blas_threads or _auto_blas_threads(comm.size)
+    try:
+        if blas and threads:
+            blas[1](threads)
+        wall = time.perf_counter()
+        opt, results = train(args, comm)
+        results["train_wall_s"] = comm.max(time.perf_counter() - wall)
+        results["blas_threads"] = blas[0]() if blas else None
+        return _finish(args, opt, results)
+    finally:
+        if blas and previous:
+            blas[1](previous)  # leave the process as we found it (main() may be imported)
+
+
+def _finish(args: argparse.Namespace, opt: ZeroOptimizer, results: dict[str, Any]) -> int:
+    """Verify (optionally), print the summary, write the JSON; the exit status."""
+    comm = opt.comm
+    status = 0
+    check = None
+    if args.verify:
+        check = verify(args, opt)
+        results["max_abs_diff"] = check["max_abs_diff"]
+        results["max_rel_diff"] = check["max_rel_diff"]
+        results["verify_tolerance"] = check["tolerance"]
+        results["verify_ok"] = check["max_rel_diff"] <= check["tolerance"]
+        status = 0 if results["verify_ok"] else 1
+    if comm.rank == 0:
+        _summary(results, check)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+                f.write("\n")
+    return status
+
+
+def _summary(r: dict[str, Any], check: dict[str, float] | None) -> None:
+    phases = ", ".join(f"{k} {v:.3f}" for k, v in r["phase_ms"].items())
+    memory = ", ".join(f"{k} {_format_bytes(v)}" for k, v in r["memory_bytes"].items())
+    total = _format_bytes(sum(r["memory_bytes"].values()))
+    lines = [
+        f"summary: {r['params']:,} params ({r['dtype']}), world size {r['world_size']}, "
+        f"stage {r['stage']}, {r['buckets']} bucket(s), batch {r['batch']} in "
+        f"{r['micro_batches']} micro-batch(es)",
+        f"  loss {r['loss_first']:.4f} -> {r['loss_last']:.4f} over {r['steps']} steps "
+        f"({r['train_wall_s']:.2f} s)",
+        f"  median step {r['step_ms']:.3f} ms (accumulate + step), train step "
+        f"{r['train_step_ms']:.3f} ms (with forward/backward)",
+        f"  median phase ms: {phases}",
+        f"  optimizer memory per rank (max over ranks): {total}: {memory}",
+        f"  MPI: {r['mpi_library']}",
+    ]
+    if check is not None:
+        verdict = "OK" if r["verify_ok"] else "FAILED"
+        lines.append(
+            f"  verify {verdict}: max_abs_diff {check['max_abs_diff']:.3e}, max_rel_diff "
+            f"{check['max_rel_diff']:.3e} (tolerance {check['tolerance']:g}; reference "
+            f"{check['reference_s']:.2f} s)"
+        )
+    print("\n".join(lines), flush=True)
+    if check is not None and not r["verify_ok"]:
+        print(
+            f"zerompi.driver: verification FAILED: the sharded parameters differ from the "
+            f"unsharded reference by {check['max_rel_diff']:.3e} relative to the largest "
+            f"parameter, more than the {r['dtype']} tolerance {check['tolerance']:g}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (the same on every rank)."""
+    comm = Comm()
+    try:
+        return run(parse_args(argv, comm.rank), comm)
+    except Exception as exc:
+        if comm.size == 1:
+            raise
+        trace = traceback.format_exc()
+        print(
+            f"zerompi.driver: rank {comm.rank} failed: {type(exc).__name__}: {exc}\n{trace}",
+            file=sys.stderr,
+            flush=True,
+        )
+        comm.abort(1)
+        raise  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
