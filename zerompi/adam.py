@@ -44,9 +44,14 @@ class AdamConfig:
     def __post_init__(self) -> None:
         for name in ("lr", "beta1", "beta2", "eps", "weight_decay"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+            if isinstance(value, bool) or not isinstance(
+                value, (int, float, np.floating, np.integer)
+            ):
                 raise TypeError(f"{name} must be a real number, got {value!r}")
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ValueError(f"{name} must be finite, got {value!r:.40}") from None
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value!r}")
             # Plain Python floats: numpy then treats them as weak scalars and computes
@@ -62,7 +67,7 @@ class AdamConfig:
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         if not isinstance(self.decoupled, bool):
-            raise TypeError(f"decoupled must be a bool, got {self.decoupled!r}")
+            raise TypeError(f"decoupled_weight_decay must be a bool, got {self.decoupled!r}")
 
 
 def adam_step(

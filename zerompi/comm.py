@@ -44,10 +44,22 @@ class Comm:
 
     # -- data path -------------------------------------------------------------
 
+    def _check_fits(self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int]) -> None:
+        # MPI does not check in-place bounds: a wrong count would write past the buffer.
+        if len(counts) != self.size or any(
+            c < 0 or d < 0 or d + c > buf.shape[0] for c, d in zip(counts, displs, strict=True)
+        ):
+            raise ValueError(
+                f"counts {list(counts)} / displs {list(displs)} do not fit a buffer of "
+                f"{buf.shape[0]} elements on {self.size} ranks"
+            )
+
     def reduce_scatter_inplace(self, buf: np.ndarray, counts: Sequence[int]) -> np.ndarray:
         """Sum ``buf`` over ranks and scatter it: rank r receives elements
         ``[displs[r], displs[r] + counts[r])`` of the sum, written to the *top* of
         its own ``buf`` (MPI_IN_PLACE). Returns that view, ``buf[:counts[rank]]``."""
+        if sum(counts) != buf.shape[0]:
+            raise ValueError(f"counts {list(counts)} do not sum to the {buf.shape[0]} elements")
         self.mpi.Reduce_scatter(
             MPI.IN_PLACE, [buf, _mpi_type(buf)], recvcounts=list(counts), op=MPI.SUM
         )
@@ -58,6 +70,7 @@ class Comm:
     ) -> None:
         """Every rank contributes ``buf[displs[r]:displs[r]+counts[r]]`` and receives
         everyone's slice into the same buffer (MPI_IN_PLACE)."""
+        self._check_fits(buf, counts, displs)
         self.mpi.Allgatherv(MPI.IN_PLACE, [buf, list(counts), list(displs), _mpi_type(buf)])
 
     def bcast_inplace(self, buf: np.ndarray, root: int = 0) -> None:
@@ -100,14 +113,15 @@ class Comm:
         ranks = [r for r, e in failed if e == (kind, message)]
         where = (
             f"on all {self.size} ranks"
-            if len(ranks) == self.size
-            else f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            if len(ranks) == self.size > 1
+            else f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+            f"of {self.size}"
         )
         others = len(failed) - len(ranks)
         if others:
             where += f"; {others} other rank(s) failed differently"
         exc_type = {"TypeError": TypeError}.get(kind, CollectiveError)
-        raise exc_type(f"{message} ({where} of {self.size})")
+        raise exc_type(f"{message} ({where})")
 
     def check_same(self, value: Any, what: str) -> None:
         """Collective: raise on every rank unless ``value`` is equal on all ranks.
@@ -131,7 +145,7 @@ def _difference(ref: Any, other: Any, rank: int) -> str:
         for i, (a, b) in enumerate(zip(ref, other, strict=False)):
             if a != b:
                 return f"item {i} is {_short(a)} on rank 0 but {_short(b)} on rank {rank}"
-        return f"rank 0 has {len(ref)} items, rank {rank} has {len(other)}"
+        return f"rank 0 has {len(ref)} items, rank {rank} has {len(other)} items"
     return f"rank 0 has {_short(ref)}, rank {rank} has {_short(other)}"
 
 

@@ -138,15 +138,19 @@ class ZeroOptimizer:
         error: BaseException | None = None
         try:
             specs = _check_params(params)
-            if isinstance(stage, bool) or stage not in STAGES:
+            if type(stage) is not int or stage not in STAGES:
                 raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+            if isinstance(bucket_elems, bool) or not isinstance(bucket_elems, (int, np.integer)):
+                raise TypeError(f"bucket_elems must be an integer, got {bucket_elems!r}")
+            if bucket_elems < 1:
+                raise ValueError(f"bucket_elems must be >= 1, got {bucket_elems!r}")
             try:
                 b1, b2 = betas
             except (TypeError, ValueError):
                 raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
             self.config = AdamConfig(lr, b1, b2, eps, weight_decay, decoupled_weight_decay)
             self.layout = Layout.build(specs, self.comm.size, self.comm.rank, bucket_elems)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         self.comm.agree(error)
         self.comm.check_same(
@@ -275,9 +279,10 @@ class ZeroOptimizer:
             self.timings["reduce_scatter"] += t1 - t0
             self.timings["adam"] += t2 - t1
             self.timings["allgather"] += t3 - t2
-        if self.stage == 1:
-            for grad in self._grad.values():
-                grad.fill(0)
+        # Stage 1 consumed the whole gradient buffer; in stage 2 it only holds what was
+        # added after the last accumulate(), which is not part of this step.
+        for grad in self._grad.values():
+            grad.fill(0)
         self._micro_batches = 0
 
     # -- inspection ------------------------------------------------------------

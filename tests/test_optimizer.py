@@ -1,0 +1,902 @@
+"""ZeroOptimizer: sharded Adam/AdamW (ZeRO stages 1 and 2) against the unsharded reference.
+
+Every collective test takes the ``comm`` fixture, so one ``mpiexec -n 4`` runs it on
+communicators of sizes 1 to 4, some uneven. Rank ``r``'s gradient at step ``s`` is a
+deterministic function of ``(s, r)``; the reference optimizer steps on the mean over
+ranks of the same gradients, which every rank computes on its own. On a communicator
+of one rank the sharded optimizer must reproduce the reference bit for bit; on more,
+within float32 1e-6 / float64 1e-12 relative error (``helpers.rel_error``).
+
+Gradients are multiples of 1/8 with a sign that depends only on the element, so the
+sum over ranks is exact whatever order MPI adds them in and never cancels to (nearly)
+zero: Adam's update ``m / (sqrt(v) + eps)`` turns a rounding residue of 1e-9 where the
+exact value is 0 into a step of order ``lr``, which no tolerance can absorb. One test
+uses generic random gradients instead.
+
+Verdicts that could differ between ranks are agreed on with the collective helpers;
+each test makes the same number of them on every rank, whatever its sub-communicator,
+and mostly just one at the end (problems are collected first), which keeps the suite
+fast when ``mpiexec -n 4`` oversubscribes the cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tracemalloc
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import assert_all, rel_error
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
+
+from zerompi import ZeroOptimizer, shard_counts
+from zerompi.adam import BLOCK
+from zerompi.comm import CollectiveError
+from zerompi.reference import ReferenceAdam, average
+
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+RTOL = {F32: 1e-6, F64: 1e-12}
+CATEGORIES = (
+    "optimizer_states",
+    "gradient_partitions",
+    "parameter_partitions",
+    "communication_buffers",
+    "scratch",
+)
+
+#: name -> (shape, dtype), in the model's order.
+Spec = dict[str, tuple[tuple[int, ...], np.dtype]]
+
+#: Assorted shapes: matrices, vectors, a tiny vector, a scalar, a 3-D tensor, one
+#: element. Small buckets leave some ranks owning nothing in some buckets.
+SHAPES: dict[str, tuple[int, ...]] = {
+    "w1": (7, 5),
+    "b1": (5,),
+    "tiny": (2,),
+    "scalar": (),
+    "w2": (3, 4, 2),
+    "one": (1,),
+    "w3": (13,),
+}
+
+#: Mixed precision in one model, dtypes interleaved in the mapping's order.
+MIXED: Spec = {
+    "w": ((6, 4), F32),
+    "d": ((9,), F64),
+    "b": ((3,), F32),
+    "s": ((), F64),
+    "t": ((1,), F32),
+}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "adam": {"lr": 1e-2},
+    "adamw": {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": True},
+    "adam_l2": {"lr": 1e-2, "weight_decay": 0.05},
+}
+
+
+# -- deterministic data ------------------------------------------------------------------
+
+
+def spec_of(shapes: Mapping[str, tuple[int, ...]], dtype: Any) -> Spec:
+    return {name: (shape, np.dtype(dtype)) for name, shape in shapes.items()}
+
+
+def make_params(spec: Spec, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: np.asarray(rng.standard_normal(s), dtype=d) for n, (s, d) in spec.items()}
+
+
+_GRADS: dict[tuple, dict[str, np.ndarray]] = {}
+
+
+def _key(spec: Spec) -> tuple:
+    return tuple((n, s, d.str) for n, (s, d) in spec.items())
+
+
+def rank_grads(spec: Spec, step: int, rank: int, exact: bool = True) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s gradient at ``step`` (cached, read-only). If ``exact``: multiples
+    of 1/8 of magnitude 1/8 to 3 and a sign fixed per element, else standard normal."""
+    key = ("rank", _key(spec), step, rank, exact)
+    if key not in _GRADS:
+        out = {}
+        for i, (name, (shape, dtype)) in enumerate(spec.items()):
+            rng = np.random.default_rng([step, rank, i, int(exact)])
+            if exact:
+                sign = np.where(np.random.default_rng(i).random(shape) < 0.5, -1, 1)
+                values = sign * rng.integers(1, 25, size=shape) / 8
+            else:
+                values = rng.standard_normal(shape)
+            out[name] = np.asarray(values, dtype=dtype)
+            out[name].flags.writeable = False
+        _GRADS[key] = out
+    return _GRADS[key]
+
+
+def mean_grads(spec: Spec, step: int, size: int, exact: bool = True) -> dict[str, np.ndarray]:
+    """The mean over ``size`` ranks of :func:`rank_grads`, in each parameter's dtype."""
+    key = ("mean", _key(spec), step, size, exact)
+    if key not in _GRADS:
+        per_rank = [rank_grads(spec, step, r, exact) for r in range(size)]
+        out = {}
+        for name, (_, dtype) in spec.items():
+            total = np.sum(np.stack([g[name] for g in per_rank]), axis=0)
+            out[name] = np.asarray(total / size, dtype=dtype)
+            out[name].flags.writeable = False
+        _GRADS[key] = out
+    return _GRADS[key]
+
+
+def add_grads(opt: ZeroOptimizer, grads: Mapping[str, np.ndarray]) -> None:
+    """What a backward pass does: add into opt.grads."""
+    for name, g in grads.items():
+        opt.grads[name][...] += g
+
+
+# -- comparisons (local; the verdict is agreed on by the caller) --------------------------
+
+
+def compare(actual: Any, expected: Any, exact: bool, what: str) -> list[str]:
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return [
+            f"{what}: shape/dtype {actual.shape} {actual.dtype}, "
+            f"want {expected.shape} {expected.dtype}"
+        ]
+    err = rel_error(actual, expected)
+    tol = RTOL[expected.dtype]
+    if not np.isfinite(err) or err > tol:
+        return [f"{what}: relative error {err:.3e} > {tol:.0e}"]
+    if exact and not np.array_equal(actual, expected):
+        return [f"{what}: not bit-identical to the reference (relative error {err:.1e})"]
+    return []
+
+
+def mismatches(
+    opt: ZeroOptimizer, ref: ReferenceAdam, exact: bool, what: str, state: bool = True
+) -> list[str]:
+    """Params (and, if ``state``, the gathered Adam moments) vs the reference, and
+    whether every rank of the communicator holds the same parameters. Collective on
+    the optimizer's communicator."""
+    problems = []
+    for name, want in ref.params.items():
+        problems += compare(opt.params[name], want, exact, f"{what} param {name!r}")
+    if state:
+        moments = opt.gather_state()
+        for key, ref_moments in (("exp_avg", ref.exp_avg), ("exp_avg_sq", ref.exp_avg_sq)):
+            for name, want in ref_moments.items():
+                problems += compare(moments[key][name], want, exact, f"{what} {key}[{name!r}]")
+        blob = b"".join(np.ascontiguousarray(p).tobytes() for p in opt.params.values())
+        if any(b != blob for b in opt.comm.allgather(blob)):
+            problems.append(f"{what}: ranks of the communicator hold different parameters")
+    return problems
+
+
+def verdict(problems: list[str], context: str = "") -> None:
+    """Collective: fail on every rank if any rank found a problem."""
+    head = f"{context}:\n" if context else ""
+    assert_all(not problems, head + "\n".join(problems[:12]))
+
+
+def train(
+    opt: ZeroOptimizer,
+    ref: ReferenceAdam,
+    spec: Spec,
+    steps: int,
+    exact_grads: bool = True,
+    check_state: Callable[[int], bool] = lambda step: False,
+) -> list[str]:
+    """``steps`` steps of the optimizer and the reference on the same gradients;
+    params compared after every step, Adam moments where ``check_state(step)`` and
+    after the last step."""
+    comm = opt.comm
+    problems = []
+    for step in range(steps):
+        add_grads(opt, rank_grads(spec, step, comm.rank, exact_grads))
+        opt.step()
+        ref.step(mean_grads(spec, step, comm.size, exact_grads))
+        state = check_state(step) or step == steps - 1
+        problems += mismatches(opt, ref, comm.size == 1, f"step {step}", state)
+    return problems
+
+
+# -- 1. sharded Adam / AdamW vs the reference ---------------------------------------------
+
+BUCKET_CYCLE = [1, 5, 7, 64, None]  # None: the default bucket size
+REFERENCE_CASES = [
+    (variant, stage, dtype, BUCKET_CYCLE[i % len(BUCKET_CYCLE)])
+    for i, (stage, dtype, variant) in enumerate(itertools.product([1, 2], [F32, F64], VARIANTS))
+]
+
+
+@pytest.mark.parametrize(
+    ("variant", "stage", "dtype", "bucket_elems"),
+    REFERENCE_CASES,
+    ids=[f"{v}-stage{s}-{d.name}-bucket{b}" for v, s, d, b in REFERENCE_CASES],
+)
+def test_matches_reference_over_steps(
+    comm: MPI.Intracomm, variant: str, stage: int, dtype: np.dtype, bucket_elems: int | None
+) -> None:
+    """Six steps of Adam / AdamW / Adam+L2: params after every step, Adam moments
+    after the first and the last. Every bucket size meets both stages and dtypes."""
+    hyper = VARIANTS[variant]
+    spec = spec_of(SHAPES, dtype)
+    params = make_params(spec)
+    extra = {} if bucket_elems is None else {"bucket_elems": bucket_elems}
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, **hyper, **extra)
+    ref = ReferenceAdam(params, **hyper)
+    verdict(train(opt, ref, spec, 6, check_state=lambda step: step == 0))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_matches_reference_with_random_gradients(
+    comm: MPI.Intracomm, stage: int, dtype: np.dtype
+) -> None:
+    """Generic gradients: the rank sum is not exact, only within tolerance."""
+    hyper = VARIANTS["adamw"]
+    spec = spec_of(SHAPES, dtype)
+    params = make_params(spec, seed=1)
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=7, **hyper)
+    ref = ReferenceAdam(params, **hyper)
+    verdict(train(opt, ref, spec, 3, exact_grads=False))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_mixed_float32_and_float64_params(comm: MPI.Intracomm, stage: int) -> None:
+    params = make_params(MIXED, seed=2)
+    hyper = VARIANTS["adam_l2"]
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=4, **hyper)
+    ref = ReferenceAdam(params, **hyper)
+    problems = [
+        f"{n} has dtype {opt.params[n].dtype} / {opt.grads[n].dtype}, want {d}"
+        for n, (_, d) in MIXED.items()
+        if opt.params[n].dtype != d or opt.grads[n].dtype != d
+    ]
+    verdict(problems + train(opt, ref, MIXED, 3))
+
+
+shape_st = st.lists(st.integers(min_value=1, max_value=6), min_size=0, max_size=2).map(tuple)
+
+
+@pytest.mark.parametrize("comm", ["world", "split"], indirect=True)
+@settings(max_examples=25)
+@given(
+    shapes=st.lists(st.tuples(shape_st, st.sampled_from([F32, F64])), min_size=1, max_size=4),
+    stage=st.sampled_from([1, 2]),
+    variant=st.sampled_from(list(VARIANTS)),
+    bucket_elems=st.integers(min_value=1, max_value=40),
+)
+def test_matches_reference_for_any_layout(
+    comm: MPI.Intracomm,
+    shapes: list[tuple[tuple[int, ...], np.dtype]],
+    stage: int,
+    variant: str,
+    bucket_elems: int,
+) -> None:
+    """Any small model, any bucket size. The drawn values never depend on the rank, so
+    every rank runs the same examples. (Two communicators: this is the slowest test.)"""
+    spec = {f"p{i}": sd for i, sd in enumerate(shapes)}
+    params = make_params(spec, seed=len(shapes))
+    hyper = VARIANTS[variant]
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems, **hyper)
+    ref = ReferenceAdam(params, **hyper)
+    verdict(train(opt, ref, spec, 2), f"{spec} stage={stage} bucket_elems={bucket_elems}")
+
+
+# -- 2. gradient accumulation -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_micro", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradient_accumulation(comm: MPI.Intracomm, stage: int, n_micro: int) -> None:
+    """``accumulate()`` after each micro-batch: the step uses the average over
+    micro-batches of the mean over ranks (the reference's ``average``)."""
+    spec = spec_of(SHAPES, F32)
+    params = make_params(spec, seed=3)
+    hyper = VARIANTS["adamw"]
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=5, **hyper)
+    ref = ReferenceAdam(params, **hyper)
+    problems = []
+    for step in range(3):
+        micro_means = []
+        for k in range(n_micro):
+            add_grads(opt, rank_grads(spec, 10 * step + k, comm.rank))
+            opt.accumulate()
+            micro_means.append(mean_grads(spec, 10 * step + k, comm.size))
+        opt.step()
+        ref.step({name: average([m[name] for m in micro_means]) for name in spec})
+        problems += mismatches(opt, ref, comm.size == 1, f"step {step}", state=step == 2)
+    verdict(problems)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_step_without_accumulate_counts_one_micro_batch(comm: MPI.Intracomm, stage: int) -> None:
+    spec = spec_of(SHAPES, F64)
+    params = make_params(spec, seed=4)
+    plain = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=7)
+    explicit = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=7)
+    ok = True
+    for step in range(3):
+        grads = rank_grads(spec, step, comm.rank, exact=False)
+        add_grads(plain, grads)
+        plain.step()
+        add_grads(explicit, grads)
+        explicit.accumulate()
+        explicit.step()
+        ok = ok and all(np.array_equal(plain.params[n], explicit.params[n]) for n in spec)
+    assert_all(ok, "step() alone differs from accumulate(); step()")
+
+
+@pytest.mark.parametrize("n_micro", [1, 3])
+def test_stage_1_and_stage_2_agree(comm: MPI.Intracomm, n_micro: int) -> None:
+    """Same gradients, same result: bit-identical with one micro-batch (both reduce
+    the same buffer once), within tolerance with several (stage 1 sums micro-batches
+    before the reduction, stage 2 after). Generic random gradients."""
+    spec = spec_of(SHAPES, F32)
+    params = make_params(spec, seed=5)
+    hyper = VARIANTS["adam_l2"]
+    opts = [ZeroOptimizer(params, comm=comm, stage=s, bucket_elems=5, **hyper) for s in (1, 2)]
+    problems = []
+    for step in range(3):
+        for opt in opts:
+            for k in range(n_micro):
+                add_grads(opt, rank_grads(spec, 10 * step + k, comm.rank, exact=False))
+                if n_micro > 1:
+                    opt.accumulate()
+            opt.step()
+        problems += [
+            f"step {step}: param {n!r} stage 2 differs from stage 1"
+            for n in spec
+            if n_micro == 1 and not np.array_equal(opts[0].params[n], opts[1].params[n])
+        ]
+    s1, s2 = (opt.gather_state() for opt in opts)
+    for name in spec:
+        pairs = [
+            ("param", opts[0].params[name], opts[1].params[name]),
+            ("exp_avg", s1["exp_avg"][name], s2["exp_avg"][name]),
+            ("exp_avg_sq", s1["exp_avg_sq"][name], s2["exp_avg_sq"][name]),
+        ]
+        for label, a, b in pairs:
+            problems += compare(b, a, n_micro == 1, f"stage 2 vs stage 1 {label}[{name!r}]")
+    verdict(problems)
+
+
+# -- 3. params and grads: views into flat storage -----------------------------------------
+
+
+def address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_params_and_grads_are_views_into_flat_buffers(comm: MPI.Intracomm) -> None:
+    params = make_params(MIXED, seed=6)
+    opt = ZeroOptimizer(params, comm=comm)
+    problems = []
+    if list(opt.params) != list(MIXED) or list(opt.grads) != list(MIXED):
+        problems.append(f"iteration order {list(opt.params)}, want {list(MIXED)}")
+    if len(opt.params) != len(MIXED) or len(opt.grads) != len(MIXED):
+        problems.append("len(opt.params) / len(opt.grads) is wrong")
+    for arrays, what in ((opt.params, "params"), (opt.grads, "grads")):
+        for name, (shape, dtype) in MIXED.items():
+            view = arrays[name]
+            if arrays[name] is not view:
+                problems.append(f"{what}[{name!r}] is a new object on every access")
+            if not (isinstance(view, np.ndarray) and view.shape == shape and view.dtype == dtype):
+                problems.append(f"{what}[{name!r}] is {type(view)} {getattr(view, 'shape', '')}")
+                continue
+            if not (view.flags.c_contiguous and view.flags.writeable and not view.flags.owndata):
+                problems.append(f"{what}[{name!r}] is not a writeable view")
+            if np.shares_memory(view, params[name]):
+                problems.append(f"{what}[{name!r}] aliases the caller's array")
+        # Parameters of one dtype are packed back to back, in the mapping's order.
+        for dtype in (F32, F64):
+            group = [arrays[n] for n, (_, d) in MIXED.items() if d == dtype]
+            for a, b in itertools.pairwise(group):
+                if address(b) != address(a) + a.nbytes:
+                    problems.append(f"{what} of {dtype} are not adjacent in one flat buffer")
+    for name in MIXED:
+        if np.shares_memory(opt.params[name], opt.grads[name]):
+            problems.append(f"param and grad {name!r} share memory")
+    verdict(problems)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_writing_params_changes_what_the_optimizer_steps_on(
+    comm: MPI.Intracomm, stage: int
+) -> None:
+    params = make_params(MIXED, seed=7)
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=5)
+    new = make_params(MIXED, seed=8)  # the same on every rank
+    for i, (name, value) in enumerate(new.items()):
+        if i % 2:
+            opt.params[name][...] = value  # write through the view
+        else:
+            opt.params[name] = value.copy()  # assignment copies into the view
+    held = {name: opt.params[name] for name in MIXED}  # taken before any step
+    ref = ReferenceAdam(new)
+    problems = train(opt, ref, MIXED, 2)
+    for name, view in held.items():
+        if view is not opt.params[name] or not np.array_equal(view, opt.params[name]):
+            problems.append(f"a view of {name!r} taken before step() is stale")
+    verdict(problems)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_grads_are_zero_after_step(comm: MPI.Intracomm, stage: int) -> None:
+    spec = spec_of(SHAPES, F32)
+    opt = ZeroOptimizer(make_params(spec), comm=comm, stage=stage, bucket_elems=5)
+    problems = []
+    for step, n_micro in enumerate([0, 1, 2]):  # 0: step() without accumulate()
+        add_grads(opt, rank_grads(spec, step, comm.rank))
+        for k in range(n_micro):
+            opt.accumulate()
+            if stage == 2 and any(np.any(g) for g in opt.grads.values()):
+                problems.append("stage 2: opt.grads not zeroed by accumulate()")
+            if k + 1 < n_micro:
+                add_grads(opt, rank_grads(spec, 10 * step + k, comm.rank))
+        opt.step()
+        problems += [f"step {step}: grad {n} not zero" for n, g in opt.grads.items() if np.any(g)]
+    verdict(problems)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_discards_added_and_accumulated_gradients(
+    comm: MPI.Intracomm, stage: int
+) -> None:
+    spec = spec_of(SHAPES, F64)
+    params = make_params(spec, seed=9)
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=7)
+    ref = ReferenceAdam(params)
+    opt.zero_grad()  # before anything: harmless
+    # Garbage: one accumulated micro-batch and one merely added, then discarded.
+    add_grads(opt, rank_grads(spec, 100, comm.rank))
+    opt.accumulate()
+    add_grads(opt, rank_grads(spec, 101, comm.rank))
+    opt.zero_grad()
+    problems = [f"grad {n} not zero after zero_grad()" for n, g in opt.grads.items() if np.any(g)]
+    # The real steps: one micro-batch each, averaged over ranks only (the count was reset).
+    verdict(problems + train(opt, ref, spec, 2))
+
+
+def test_assigning_arrays_copies_and_checks() -> None:
+    """The mappings' ``__setitem__`` (local checks, identical on every rank)."""
+    opt = ZeroOptimizer(make_params(MIXED), comm=MPI.COMM_WORLD)
+    problems = []
+    for which, noun in (("params", "parameter"), ("grads", "gradient")):
+        arrays = getattr(opt, which)
+        view = arrays["w"]
+        value = np.full((6, 4), 0.75, dtype=F32)
+        arrays["w"] = value
+        value[...] = -1.0  # the optimizer took a copy
+        if arrays["w"] is not view or not np.all(view == 0.75):
+            problems.append(f"{which}: assignment did not copy into the existing view")
+        arrays["s"] = np.asarray(2.5, dtype=F64)
+        if float(arrays["s"]) != 2.5:
+            problems.append(f"{which}: 0-d assignment failed")
+        cases: list[tuple[type[Exception], str, str, object]] = [
+            (ValueError, "w", "(6, 4)", np.zeros((4, 6), F32)),  # wrong shape
+            (ValueError, "w", "(6, 4)", np.zeros(24, F32)),  # right size, wrong shape
+            (ValueError, "w", "float64", np.zeros((6, 4), F64)),  # wrong dtype
+            (ValueError, "s", "float32", np.asarray(1.0, dtype=F32)),  # wrong dtype, 0-d
+            (TypeError, "w", "numpy array", np.zeros((6, 4), F32).tolist()),
+            (TypeError, "s", "numpy array", 1.0),
+            (TypeError, "s", "numpy array", np.float64(1.0)),  # a numpy scalar is no array
+            (TypeError, "w", "numpy array", None),
+            (KeyError, "nope", "nope", np.zeros(1, F32)),
+        ]
+        for exc_type, name, detail, bad in cases:
+            try:
+                arrays[name] = bad
+            except exc_type as exc:
+                text = str(exc)
+                if exc_type is not KeyError and f"{noun} {name!r}" not in text:
+                    problems.append(f"{which}[{name!r}] = {bad!r:.30}: {text} names no {noun}")
+                if detail not in text:
+                    problems.append(f"{which}[{name!r}] = {bad!r:.30}: {text} lacks {detail!r}")
+            except Exception as exc:
+                problems.append(f"{which}[{name!r}] = {bad!r:.30}: {type(exc).__name__} {exc}")
+            else:
+                problems.append(f"{which}[{name!r}] = {bad!r:.30} was accepted")
+        if not np.all(view == 0.75):
+            problems.append(f"{which}: a rejected assignment changed the view")
+    verdict(problems)
+
+
+def test_initial_params_are_broadcast_from_rank_0(comm: MPI.Intracomm) -> None:
+    base = make_params(MIXED, seed=10)
+    mine = {n: np.asarray(p + comm.rank, dtype=p.dtype) for n, p in base.items()}
+    snapshot = {n: p.copy() for n, p in mine.items()}
+    opt = ZeroOptimizer(mine, comm=comm, bucket_elems=3)
+    problems = [
+        f"{n}: not rank 0's value" for n in base if not np.array_equal(opt.params[n], base[n])
+    ]
+    problems += [
+        f"the caller's {n} was modified" for n in mine if not np.array_equal(mine[n], snapshot[n])
+    ]
+    for p in mine.values():
+        p += 100.0  # the optimizer holds its own copy
+    problems += [
+        f"{n} follows the caller's array"
+        for n in base
+        if not np.array_equal(opt.params[n], base[n])
+    ]
+    verdict(problems + train(opt, ReferenceAdam(base), MIXED, 1))
+
+
+# -- 4. memory_usage ----------------------------------------------------------------------
+
+
+def expected_usage(
+    spec: Spec, size: int, rank: int, bucket_elems: int, stage: int
+) -> tuple[dict[str, int], int]:
+    """Bytes per category from the documented layout, computed without the engine's
+    Layout: per dtype, greedy buckets of whole params, each sharded by shard_counts.
+    Also returns an upper bound for the Adam kernel's scratch."""
+    usage = dict.fromkeys(CATEGORIES, 0)
+    scratch_bound = 0
+    for dtype in dict.fromkeys(d for _, d in spec.values()):
+        sizes = [int(np.prod(s, dtype=np.int64)) for s, d in spec.values() if d == dtype]
+        buckets, current, members = [], 0, 0
+        for n in sizes:
+            if members and current + n > bucket_elems:
+                buckets.append(current)
+                current, members = 0, 0
+            current += n
+            members += 1
+        buckets.append(current)
+        full = sum(sizes) * dtype.itemsize
+        shard = sum(shard_counts(b, size)[0][rank] for b in buckets) * dtype.itemsize
+        usage["parameter_partitions"] += full
+        usage["optimizer_states"] += 2 * shard  # exp_avg and exp_avg_sq, sharded
+        if stage == 1:
+            usage["gradient_partitions"] += full
+        else:
+            usage["gradient_partitions"] += shard
+            usage["communication_buffers"] += full  # where the backward adds gradients
+        scratch_bound += min(BLOCK * dtype.itemsize, max(shard, dtype.itemsize))
+    return usage, scratch_bound
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_memory_usage_is_exact(comm: MPI.Intracomm, stage: int) -> None:
+    spec = {**MIXED, "big": ((37, 3), F32)}
+    params = make_params(spec)
+    total = sum(p.nbytes for p in params.values())
+    problems = []
+    for bucket_elems in (1, 7, 1 << 22):
+        what = f"bucket_elems={bucket_elems}"
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems)
+        want, scratch_bound = expected_usage(spec, comm.size, comm.rank, bucket_elems, stage)
+        usage = opt.memory_usage()
+        if set(usage) != set(CATEGORIES) or not all(type(v) is int for v in usage.values()):
+            problems.append(f"{what}: categories {usage}")
+        for cat, value in want.items():
+            if cat != "scratch" and usage.get(cat) != value:
+                problems.append(f"{what}: {cat} {usage.get(cat)} bytes, want {value}")
+        if not 0 < usage.get("scratch", 0) <= scratch_bound:
+            problems.append(f"{what}: scratch {usage.get('scratch')}, want in (0, {scratch_bound}]")
+        # Over all ranks the moments are stored exactly once: no duplication, no padding.
+        states, grads = comm.allreduce(
+            np.array([usage.get("optimizer_states", 0), usage.get("gradient_partitions", 0)])
+        )
+        if states != 2 * total:
+            problems.append(
+                f"{what}: optimizer_states sum to {states} over ranks, want {2 * total}"
+            )
+        if stage == 2 and grads != total:
+            problems.append(f"{what}: gradient shards sum to {grads} over ranks, want {total}")
+        # Training allocates nothing further.
+        for step in range(2):
+            add_grads(opt, rank_grads(spec, step, comm.rank))
+            opt.accumulate()
+            opt.step()
+        if opt.memory_usage() != usage:
+            problems.append(f"{what}: usage changed in training: {opt.memory_usage()} vs {usage}")
+    verdict(problems, f"stage {stage}")
+
+
+# -- 5. step() allocates nothing model-sized ----------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_step_allocates_nothing_the_size_of_the_model(comm: MPI.Intracomm, stage: int) -> None:
+    """numpy reports its allocations to tracemalloc: the peak during a step (after a
+    warm-up) must be far below the model's size. Memory, not time."""
+    spec: Spec = {
+        "w": ((400, 300), F32),
+        "b": ((300,), F32),
+        "v": ((70_000,), F32),
+        "d": ((10_000,), F64),
+        "s": ((), F32),
+    }
+    params = make_params(spec)
+    model_bytes = sum(p.nbytes for p in params.values())
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=50_000)
+    peaks = []
+    for step in range(3):
+        add_grads(opt, rank_grads(spec, step, comm.rank, exact=False))
+        if step == 0:
+            opt.step()  # warm-up
+            continue
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            if step == 2:
+                opt.accumulate()  # stage 2 reduce-scatters here
+            opt.step()
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    # Control: the tracer does see a model-sized numpy allocation.
+    tracemalloc.start()
+    try:
+        np.ones(model_bytes // 8)
+        control = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert_all(
+        control >= model_bytes // 2 and max(peaks) < model_bytes / 10,
+        f"peak traced allocation during step(): {peaks} bytes, model {model_bytes} bytes "
+        f"(control allocation traced as {control} bytes)",
+    )
+
+
+# -- 6. bad input: raised on every rank, naming the value ----------------------------------
+
+
+def good_params() -> dict[str, np.ndarray]:
+    return make_params(MIXED, seed=11)
+
+
+def raises(
+    exc_type: type[Exception], match: str, fn: Callable[[], object], what: str
+) -> tuple[BaseException | None, list[str]]:
+    """Local: run ``fn``, return the exception and what is wrong with it."""
+    try:
+        fn()
+    except exc_type as exc:
+        return exc, [] if match in str(exc) else [f"{what}: {match!r} not in {exc!s}"]
+    except Exception as exc:
+        return exc, [f"{what}: expected {exc_type.__name__}, got {type(exc).__name__}: {exc}"]
+    return None, [f"{what}: expected {exc_type.__name__}, nothing was raised"]
+
+
+BAD_PARAMS: list[tuple[str, Callable[[], object], type[Exception], str]] = [
+    ("int dtype", lambda: {"w": np.arange(6)}, TypeError, "parameter 'w' has dtype int64"),
+    ("float16", lambda: {"h": np.zeros(3, np.float16)}, TypeError, "'h' has dtype float16"),
+    ("complex", lambda: {"c": np.zeros(3, np.complex128)}, TypeError, "has dtype complex128"),
+    ("list", lambda: {"w": [1.0, 2.0]}, TypeError, "parameter 'w' must be a numpy array, got list"),
+    ("int", lambda: {"w": 3}, TypeError, "parameter 'w' must be a numpy array, got int"),
+    ("np scalar", lambda: {"w": np.float32(1)}, TypeError, "'w' must be a numpy array"),
+    ("empty mapping", dict, ValueError, "params is empty"),
+    (
+        "zero-size",
+        lambda: {"w": np.zeros((0, 3), F32)},
+        ValueError,
+        "'w' has no elements (shape (0, 3))",
+    ),
+    ("not a mapping", lambda: [np.zeros(3, F32)], TypeError, "params must be a mapping"),
+    (
+        "name not str",
+        lambda: {1: np.zeros(3, F32)},
+        TypeError,
+        "parameter names must be str, got 1",
+    ),
+    (
+        "later param bad",
+        lambda: {**good_params(), "z": np.ones(2, np.int32)},
+        TypeError,
+        "'z' has dtype int32",
+    ),
+]
+
+BAD_SETTINGS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
+    ("stage 0", {"stage": 0}, ValueError, "stage must be one of (1, 2), got 0"),
+    ("stage 3", {"stage": 3}, ValueError, "stage must be one of (1, 2), got 3"),
+    ("stage '2'", {"stage": "2"}, ValueError, "stage must be one of (1, 2), got '2'"),
+    ("stage True", {"stage": True}, ValueError, "stage must be one of (1, 2), got True"),
+    ("stage None", {"stage": None}, ValueError, "stage must be one of (1, 2), got None"),
+    ("lr 0", {"lr": 0.0}, ValueError, "lr must be > 0, got 0.0"),
+    ("lr < 0", {"lr": -1e-3}, ValueError, "lr must be > 0, got -0.001"),
+    ("lr nan", {"lr": float("nan")}, ValueError, "lr must be finite, got nan"),
+    ("lr inf", {"lr": float("inf")}, ValueError, "lr must be finite, got inf"),
+    ("lr str", {"lr": "0.1"}, TypeError, "lr must be a real number, got '0.1'"),
+    ("lr None", {"lr": None}, TypeError, "lr must be a real number, got None"),
+    ("eps 0", {"eps": 0.0}, ValueError, "eps must be > 0, got 0.0"),
+    ("eps < 0", {"eps": -1e-8}, ValueError, "eps must be > 0, got -1e-08"),
+    ("eps nan", {"eps": float("nan")}, ValueError, "eps must be finite, got nan"),
+    ("beta1 1", {"betas": (1.0, 0.999)}, ValueError, "beta1 must be in [0, 1), got 1.0"),
+    ("beta1 < 0", {"betas": (-0.5, 0.999)}, ValueError, "beta1 must be in [0, 1), got -0.5"),
+    ("beta2 < 0", {"betas": (0.9, -0.1)}, ValueError, "beta2 must be in [0, 1), got -0.1"),
+    ("beta2 1.5", {"betas": (0.9, 1.5)}, ValueError, "beta2 must be in [0, 1), got 1.5"),
+    ("beta2 nan", {"betas": (0.9, float("nan"))}, ValueError, "beta2 must be finite, got nan"),
+    ("betas 1", {"betas": (0.9,)}, ValueError, "betas must be a pair (beta1, beta2), got (0.9,)"),
+    ("betas 3", {"betas": (0.9, 0.99, 0.999)}, ValueError, "got (0.9, 0.99, 0.999)"),
+    ("betas float", {"betas": 0.9}, ValueError, "betas must be a pair (beta1, beta2), got 0.9"),
+    ("betas None", {"betas": None}, ValueError, "betas must be a pair (beta1, beta2), got None"),
+    ("wd < 0", {"weight_decay": -0.1}, ValueError, "weight_decay must be >= 0, got -0.1"),
+    ("wd nan", {"weight_decay": float("nan")}, ValueError, "weight_decay must be finite, got nan"),
+    ("decoupled 1", {"decoupled_weight_decay": 1}, TypeError, "must be a bool, got 1"),
+    ("bucket 0", {"bucket_elems": 0}, ValueError, "got 0"),
+    ("bucket < 0", {"bucket_elems": -5}, ValueError, "got -5"),
+    ("bucket float", {"bucket_elems": 2.5}, TypeError, "got 2.5"),
+    ("bucket True", {"bucket_elems": True}, TypeError, "got True"),
+]
+
+
+def test_rejects_bad_input_on_every_rank() -> None:
+    """Each case is rejected on every rank of the world, with its own type (TypeError
+    stays TypeError; value errors arrive as CollectiveError, a ValueError), and a
+    message naming the value and saying it was found on all ranks."""
+    world = MPI.COMM_WORLD
+    cases = [
+        (name, lambda make=make: ZeroOptimizer(make(), comm=world), exc_type, match)  # type: ignore[arg-type]
+        for name, make, exc_type, match in BAD_PARAMS
+    ] + [
+        (name, lambda kw=kw: ZeroOptimizer(good_params(), comm=world, **kw), exc_type, match)
+        for name, kw, exc_type, match in BAD_SETTINGS
+    ]
+    problems = []
+    for name, fn, exc_type, match in cases:
+        exc, wrong = raises(exc_type, match, fn, name)
+        problems += wrong
+        suffix = (
+            f"(on all {world.size} ranks)" if world.size > 1 else "(on rank 0 of 1)"
+        )
+        if exc is not None and not str(exc).endswith(suffix):
+            problems.append(f"{name}: {exc!s} does not end with {suffix}")
+        if exc is not None and exc_type is TypeError and type(exc) is not TypeError:
+            problems.append(f"{name}: TypeError arrived as {type(exc).__name__}")
+        if exc is not None and exc_type is ValueError and type(exc) is not CollectiveError:
+            problems.append(f"{name}: ValueError arrived as {type(exc).__name__}")
+    verdict(problems)
+
+
+def still_usable(comm: MPI.Intracomm) -> list[str]:
+    """After a rejected construction the communicator must still be in step: build a
+    good optimizer and train one step against the reference."""
+    params = good_params()
+    opt = ZeroOptimizer(params, comm=comm)
+    return train(opt, ReferenceAdam(params), MIXED, 1)
+
+
+def swap_first_two(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = list(p)
+    names[0], names[1] = names[1], names[0]
+    return {n: p[n] for n in names}
+
+
+def rename(p: dict[str, np.ndarray], old: str, new: str) -> dict[str, np.ndarray]:
+    return {(new if n == old else n): v for n, v in p.items()}
+
+
+LAYOUT = "the parameter layout (name, shape, dtype) differs between ranks"
+SETTINGS = "the optimizer settings (stage, hyperparameters) differs between ranks"
+
+#: (id, the rank that differs, its params, its settings, the message, what it names)
+ODD_LAYOUTS: list[tuple[str, str, Callable[[], dict], dict[str, Any], str, str]] = [
+    ("shape", "last", lambda: {**good_params(), "w": np.zeros((4, 6), F32)}, {}, LAYOUT, "(4, 6)"),
+    (
+        "shape rank0",
+        "first",
+        lambda: {**good_params(), "b": np.zeros((1, 3), F32)},
+        {},
+        LAYOUT,
+        "(1, 3)",
+    ),
+    ("name", "last", lambda: rename(good_params(), "b", "bias"), {}, LAYOUT, "'bias'"),
+    ("order", "last", lambda: swap_first_two(good_params()), {}, LAYOUT, "item 0"),
+    ("dtype", "last", lambda: {**good_params(), "b": np.zeros(3, F64)}, {}, LAYOUT, "'<f8'"),
+    (
+        "extra param",
+        "last",
+        lambda: {**good_params(), "x": np.zeros(2, F32)},
+        {},
+        LAYOUT,
+        "0 has 5 items",
+    ),
+    (
+        "missing param",
+        "first",
+        lambda: dict(list(good_params().items())[:-1]),
+        {},
+        LAYOUT,
+        "0 has 4 items",
+    ),
+    ("lr", "last", good_params, {"lr": 2e-3}, SETTINGS, "lr=0.002"),
+    ("stage", "last", good_params, {"stage": 2}, SETTINGS, "item 0 is 1 on rank 0 but 2"),
+    ("stage rank0", "first", good_params, {"stage": 2}, SETTINGS, "item 0 is 2 on rank 0 but 1"),
+    ("betas", "last", good_params, {"betas": (0.8, 0.999)}, SETTINGS, "beta1=0.8"),
+    ("weight decay", "last", good_params, {"weight_decay": 0.01}, SETTINGS, "weight_decay=0.01"),
+    (
+        "decoupled",
+        "last",
+        good_params,
+        {"decoupled_weight_decay": True},
+        SETTINGS,
+        "decoupled=True",
+    ),
+    (
+        "bucket_elems",
+        "last",
+        good_params,
+        {"bucket_elems": 5},
+        SETTINGS,
+        "item 2 is 4 on rank 0 but 5",
+    ),
+]
+
+
+def test_rank_dependent_layout_raises_everywhere(comm: MPI.Intracomm) -> None:
+    """One rank differs: every rank raises a CollectiveError (instead of hanging in a
+    mismatched collective) naming the first rank unlike rank 0 and the difference. On
+    a communicator of one rank nothing can differ and construction succeeds."""
+    problems = []
+    for name, odd, make, kwargs, message, detail in ODD_LAYOUTS:
+        odd_rank = 0 if odd == "first" else comm.size - 1
+        mine = make() if comm.rank == odd_rank else good_params()
+        settings_ = {"bucket_elems": 4, **(kwargs if comm.rank == odd_rank else {})}
+        build = lambda mine=mine, settings_=settings_: ZeroOptimizer(  # noqa: E731
+            mine, comm=comm, **settings_
+        )
+        if comm.size == 1:
+            try:
+                build()
+            except Exception as exc:
+                problems.append(f"{name}: alone, {type(exc).__name__}: {exc}")
+            continue
+        exc, wrong = raises(CollectiveError, message, build, name)
+        problems += wrong
+        named = f"rank {1 if odd == 'first' else comm.size - 1}"  # first rank unlike rank 0
+        if exc is not None and (detail not in str(exc) or named not in str(exc)):
+            problems.append(f"{name}: {exc!s} does not name {detail!r} and {named}")
+    verdict(problems + still_usable(comm))
+
+
+#: (id, the rank that fails, its params, its settings, error type, message)
+LocalCase = tuple[str, str, Callable[[], object], dict[str, Any], type[Exception], str]
+ODD_LOCAL_ERRORS: list[LocalCase] = [
+    ("int array rank0", "first", lambda: {**good_params(), "w": np.arange(24).reshape(6, 4)}, {},
+     TypeError, "parameter 'w' has dtype int64"),
+    ("list last", "last", lambda: {**good_params(), "b": [1.0, 2.0, 3.0]}, {},
+     TypeError, "parameter 'b' must be a numpy array"),
+    ("zero-size last", "last", lambda: {**good_params(), "b": np.zeros(0, F32)}, {},
+     ValueError, "parameter 'b' has no elements"),
+    ("empty last", "last", dict, {}, ValueError, "params is empty"),
+    ("lr last", "last", good_params, {"lr": -1.0}, ValueError, "lr must be > 0, got -1.0"),
+    ("betas rank0", "first", good_params, {"betas": (1.0, 0.999)}, ValueError,
+     "beta1 must be in [0, 1), got 1.0"),
+    ("stage rank0", "first", good_params, {"stage": 3}, ValueError,
+     "stage must be one of (1, 2), got 3"),
+    ("bucket last", "last", good_params, {"bucket_elems": 0}, ValueError, "got 0"),
+    # float(10**400) overflows: an error outside TypeError/ValueError must not hang either.
+    ("huge lr last", "last", good_params, {"lr": 10**400}, ValueError, "lr must be finite"),
+]  # fmt: skip
+
+
+def test_local_error_on_one_rank_raises_everywhere(comm: MPI.Intracomm) -> None:
+    """Only one rank's own validation fails; every rank raises that error (a TypeError
+    stays a TypeError) naming the rank it came from."""
+    problems = []
+    for name, odd, make, kwargs, exc_type, match in ODD_LOCAL_ERRORS:
+        odd_rank = 0 if odd == "first" else comm.size - 1
+        mine = make() if comm.rank == odd_rank else good_params()
+        settings_ = kwargs if comm.rank == odd_rank else {}
+        build = lambda mine=mine, settings_=settings_: ZeroOptimizer(  # noqa: E731
+            mine, comm=comm, **settings_
+        )
+        exc, wrong = raises(exc_type, match, build, name)
+        problems += wrong
+        where = (
+            f"(on rank {odd_rank} of {comm.size})"
+        )
+        if exc is not None and not str(exc).endswith(where):
+            problems.append(f"{name}: {exc!s} does not end with {where}")
+        if exc is not None and exc_type is TypeError and type(exc) is not TypeError:
+            problems.append(f"{name}: TypeError arrived as {type(exc).__name__}")
+    verdict(problems + still_usable(comm))
