@@ -6,13 +6,14 @@ gathered with ``Allgatherv`` using exact variable counts, with no padding anywhe
 """
 
 from .adam import AdamConfig
-from .engine import ZeroOptimizer
+from .engine import Deferred, ZeroOptimizer
 from .partition import Layout, gather_shards, plan_buckets, shard, shard_counts, shard_range
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdamConfig",
+    "Deferred",
     "Layout",
     "ZeroOptimizer",
     "__version__",

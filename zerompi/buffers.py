@@ -64,5 +64,9 @@ class BufferPool:
             totals[category] += array.nbytes
         return {category: totals[category] for category in CATEGORIES}
 
+    def buffers(self) -> dict[str, int]:
+        """Bytes per named buffer, in allocation order."""
+        return {name: array.nbytes for name, (_, array) in self._buffers.items()}
+
     def __contains__(self, name: str) -> bool:
         return name in self._buffers

@@ -41,6 +41,22 @@ class Comm:
         self.mpi = comm
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
+        #: Bytes this rank sent and received per data-path collective since the last
+        #: :meth:`pop_traffic`, counted as the algorithm-independent volume: what must
+        #: leave and reach this rank. Averaged over ranks it is exactly the textbook
+        #: (W-1)/W of the buffer per reduce-scatter or allgather.
+        self.traffic: dict[str, list[int]] = {}
+
+    def _count(self, op: str, sent: int, received: int) -> None:
+        entry = self.traffic.setdefault(op, [0, 0])
+        entry[0] += sent
+        entry[1] += received
+
+    def pop_traffic(self) -> dict[str, dict[str, int]]:
+        """``{op: {"sent": bytes, "received": bytes}}`` since the last call, and reset."""
+        out = {op: {"sent": s, "received": r} for op, (s, r) in self.traffic.items()}
+        self.traffic = {}
+        return out
 
     # -- data path -------------------------------------------------------------
 
@@ -63,7 +79,10 @@ class Comm:
         self.mpi.Reduce_scatter(
             MPI.IN_PLACE, [buf, _mpi_type(buf)], recvcounts=list(counts), op=MPI.SUM
         )
-        return buf[: counts[self.rank]]
+        mine = counts[self.rank]
+        size = buf.itemsize
+        self._count("reduce_scatter", (buf.shape[0] - mine) * size, (self.size - 1) * mine * size)
+        return buf[:mine]
 
     def allgatherv_inplace(
         self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int]
@@ -72,6 +91,16 @@ class Comm:
         everyone's slice into the same buffer (MPI_IN_PLACE)."""
         self._check_fits(buf, counts, displs)
         self.mpi.Allgatherv(MPI.IN_PLACE, [buf, list(counts), list(displs), _mpi_type(buf)])
+        mine = counts[self.rank]
+        size = buf.itemsize
+        self._count("allgather", (self.size - 1) * mine * size, (sum(counts) - mine) * size)
+
+    def allreduce_inplace(self, buf: np.ndarray) -> None:
+        """Sum ``buf`` over ranks, in place, on every rank (plain data parallelism).
+        Counted as a reduce-scatter plus an allgather of equal shards."""
+        self.mpi.Allreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM)
+        volume = 2 * buf.nbytes * (self.size - 1) // self.size if self.size > 1 else 0
+        self._count("allreduce", volume, volume)
 
     def bcast_inplace(self, buf: np.ndarray, root: int = 0) -> None:
         """Overwrite ``buf`` on every rank with root's contents."""

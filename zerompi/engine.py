@@ -1,22 +1,44 @@
-"""``ZeroOptimizer``: ZeRO stages 1 and 2 over MPI with exact counts.
+"""``ZeroOptimizer``: plain data parallelism (stage 0) and ZeRO stages 1-3 over MPI.
 
 The model's parameters are packed into one flat buffer per dtype, cut into buckets
-and sharded with :func:`zerompi.partition.shard_range`. ``opt.params[name]`` and
-``opt.grads[name]`` are views into the flat buffers, so the model reads and writes
-them with zero copies. ``step()`` is, per bucket::
+and sharded with :func:`zerompi.partition.shard_range`. Per bucket, every stage
+runs the same three phases with exact counts; they differ in what a rank keeps:
 
-    Reduce_scatter (exact counts)  ->  Adam on the local shard  ->  Allgatherv
+======  ==========  ====================  =============  ===============================
+stage   parameters  gradients             Adam moments   reduction / gather
+======  ==========  ====================  =============  ===============================
+0       full        full                  full           Allreduce; no gather
+1       full        full                  shard          Reduce_scatter at step; Allgatherv
+2       full        shard (+1 bucket)     shard          Reduce_scatter per bucket as its
+                                                         gradients arrive; Allgatherv
+3       shard       shard (+1 bucket)     shard          as 2; parameters Allgatherv'd per
+                                                         layer into 1 bucket when used
+======  ==========  ====================  =============  ===============================
 
-Stage 1 shards the Adam moments; the gradient is kept whole and reduced in place.
-Stage 2 also shards the gradient: each micro-batch's gradient is reduce-scattered
-by ``accumulate()`` and only the local shard is kept, which is what makes gradient
-accumulation cost ``1/W`` of the gradient memory.
+Model code reads parameters and hands over gradients layer by layer::
+
+    for name in layers:                          # forward
+        with opt.gathered(name) as p:            # stage 3 gathers the layer here
+            h = forward(p, h)
+    for name in reversed(layers):                # backward
+        with opt.gathered(name) as p, opt.gradients(name) as g:
+            d = backward(p, g, d)                # adds into g[...]; stages 2-3 reduce on exit
+    opt.step()
+
+``gathered`` / ``gradients`` take parameter names or group names (a group is the
+prefix before the last dot, ``"layer0"`` for ``"layer0.weight"``). In stages 0-2
+``opt.params[name]`` are persistent views of the full parameters, and
+``opt.grads[name]`` full-size gradient views (in stage 2 a full staging buffer is
+allocated the first time ``opt.grads`` is used: the streamed hand-over above is what
+keeps stage 2's gradients at ``1/W``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -24,13 +46,13 @@ from mpi4py import MPI
 from .adam import BLOCK, AdamConfig, adam_step
 from .buffers import BufferPool
 from .comm import Comm
-from .partition import SUPPORTED_DTYPES, Layout
+from .partition import SUPPORTED_DTYPES, Bucket, Layout, default_group
 
 #: Default bucket size in elements (16 MiB of float32): large enough that the
 #: per-collective latency is negligible, small enough to bound staging buffers.
 DEFAULT_BUCKET_ELEMS = 1 << 22
 
-STAGES = (1, 2)
+STAGES = (0, 1, 2, 3)
 
 PHASES = ("reduce_scatter", "adam", "allgather")
 
@@ -70,6 +92,34 @@ class FlatArrays(Mapping[str, np.ndarray]):
         return f"<{self._what}s: {', '.join(self._views)}>"
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A parameter described by shape and dtype, made by ``init()`` only when and where
+    it is needed: on rank 0 alone, one bucket at a time. This is what lets a stage-3
+    model larger than one rank's memory be built without ever holding it whole."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    init: Callable[[], np.ndarray]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def materialize(self, name: str) -> np.ndarray:
+        value = self.init()
+        if not isinstance(value, np.ndarray) or value.shape != self.shape:
+            raise ValueError(
+                f"init of parameter {name!r} returned {type(value).__name__} of shape "
+                f"{getattr(value, 'shape', None)}, expected an array of shape {self.shape}"
+            )
+        return value
+
+
 def _check_params(params: object) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     """Local validation of the parameter mapping; returns its (name, shape, dtype)."""
     if not isinstance(params, Mapping):
@@ -80,9 +130,9 @@ def _check_params(params: object) -> list[tuple[str, tuple[int, ...], np.dtype]]
     for name, value in params.items():
         if not isinstance(name, str):
             raise TypeError(f"parameter names must be str, got {name!r}")
-        if not isinstance(value, np.ndarray):
+        if not isinstance(value, (np.ndarray, Deferred)):
             raise TypeError(
-                f"parameter {name!r} must be a numpy array, "
+                f"parameter {name!r} must be a numpy array or zerompi.Deferred, "
                 f"got {type(value).__name__} {value!r:.60}"
             )
         if value.dtype not in SUPPORTED_DTYPES:
@@ -97,28 +147,18 @@ def _check_params(params: object) -> list[tuple[str, tuple[int, ...], np.dtype]]
 
 
 class ZeroOptimizer:
-    """Sharded Adam/AdamW (ZeRO stage 1 or 2) over an MPI communicator.
+    """Sharded Adam/AdamW (stage 0 baseline, ZeRO stages 1-3) over an MPI communicator.
 
     Building one is collective: the layout (names, order, shapes, dtypes), stage and
     hyperparameters are checked to be identical on every rank, and any error is
     raised on every rank. Initial parameter values are broadcast from rank 0, as
     every data-parallel rank must start from the same model.
 
-    Use::
-
-        opt = ZeroOptimizer(params, stage=2, lr=1e-3, weight_decay=0.01,
-                            decoupled_weight_decay=True)
-        for batch in data:
-            for micro in split(batch):
-                model.backward(micro, opt.params, opt.grads)   # adds into opt.grads
-                opt.accumulate()                               # optional, per micro-batch
-            opt.step()                                         # leaves opt.grads zeroed
-
-    Gradients are *added* into ``opt.grads`` (``+=``), like torch's ``.grad``. Each
-    rank's contribution is averaged over ranks and over the micro-batches counted by
-    ``accumulate()``; ``step()`` without any ``accumulate()`` counts one. When you use
-    ``accumulate()``, call it after every micro-batch, the last one included: what is
-    added after the last ``accumulate()`` is not part of a stage-2 step.
+    Gradients are *added* (``+=``), like torch's ``.grad``. Each rank's contribution
+    is averaged over ranks and over the micro-batches counted by ``accumulate()``;
+    ``step()`` without any ``accumulate()`` counts one. With ``accumulate()``, call it
+    after every micro-batch, the last one included. A parameter whose gradient is
+    never handed over in a step has a zero gradient in that step (in every stage).
     """
 
     def __init__(
@@ -133,9 +173,12 @@ class ZeroOptimizer:
         weight_decay: float = 0.0,
         decoupled_weight_decay: bool = False,
         bucket_elems: int = DEFAULT_BUCKET_ELEMS,
+        group_of: Callable[[str], str] = default_group,
     ) -> None:
         self.comm = Comm(comm)
         error: BaseException | None = None
+        specs: list[tuple[str, tuple[int, ...], np.dtype]] = []
+        keys: list[str] = []
         try:
             specs = _check_params(params)
             if type(stage) is not int or stage not in STAGES:
@@ -149,140 +192,343 @@ class ZeroOptimizer:
             except (TypeError, ValueError):
                 raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
             self.config = AdamConfig(lr, b1, b2, eps, weight_decay, decoupled_weight_decay)
-            self.layout = Layout.build(specs, self.comm.size, self.comm.rank, bucket_elems)
+            keys = [group_of(name) for name, _, _ in specs]
+            for name, key in zip(specs, keys, strict=True):
+                if not isinstance(key, str):
+                    raise TypeError(f"group_of({name[0]!r}) must return a str, got {key!r}")
+            # Stage 3 gathers a layer at a time, so a bucket is exactly one group.
+            self.layout = Layout.build(
+                specs, self.comm.size, self.comm.rank, int(bucket_elems), keys, stage != 3
+            )
         except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         self.comm.agree(error)
         self.comm.check_same(
-            [(n, s, d.str) for n, s, d in specs], "the parameter layout (name, shape, dtype)"
+            [(n, s, d.str, k) for (n, s, d), k in zip(specs, keys, strict=True)],
+            "the parameter layout (name, shape, dtype, group)",
         )
         self.comm.check_same(
-            (stage, self.config, bucket_elems), "the optimizer settings (stage, hyperparameters)"
+            (stage, self.config, int(bucket_elems)),
+            "the optimizer settings (stage, hyperparameters, bucket_elems)",
         )
         self.stage = stage
         self.step_count = 0
         self.timings = dict.fromkeys(PHASES, 0.0)
+        self._order = list(params)
         self._micro_batches = 0
+        self._reductions = [0] * len(self.layout.buckets)  # per bucket, this step
+        self._open: int | None = None  # bucket whose gradients fill the staging buffer
+        self._pending: set[str] = set()  # its parameters not handed over yet
+        self._gathered: int | None = None  # stage 3: bucket in the gather buffer
+        self._full_grads: dict[np.dtype, np.ndarray] | None = None  # stage 2 opt.grads
         self._allocate(params)
 
     # -- setup -----------------------------------------------------------------
 
     def _allocate(self, params: Mapping[str, np.ndarray]) -> None:
-        """Every buffer the optimizer will ever use, allocated once, here."""
+        """Every buffer the optimizer keeps, allocated once, here."""
         pool = self.pool = BufferPool()
-        self._flat: dict[np.dtype, np.ndarray] = {}
-        self._grad: dict[np.dtype, np.ndarray] = {}
-        self._grad_shard: dict[np.dtype, np.ndarray] = {}
+        layout, stage = self.layout, self.stage
+        self._flat: dict[np.dtype, np.ndarray] = {}  # full params (0-2) or shard (3)
+        self._grad: dict[np.dtype, np.ndarray] = {}  # full grads (0-1) or shard (2-3)
+        self._staging: dict[np.dtype, np.ndarray] = {}  # one bucket of gradients (2-3)
+        self._gather: dict[np.dtype, np.ndarray] = {}  # one bucket of parameters (3)
         self._exp_avg: dict[np.dtype, np.ndarray] = {}
         self._exp_avg_sq: dict[np.dtype, np.ndarray] = {}
         self._scratch: dict[np.dtype, np.ndarray] = {}
-        for dtype, size in self.layout.sizes.items():
-            shard = self.layout.shard_sizes[dtype]
+        for dtype, size in layout.sizes.items():
+            shard = layout.shard_sizes[dtype]
+            local = size if stage == 0 else shard  # what Adam runs on
             key = dtype.name
-            self._flat[dtype] = pool.zeros(f"params.{key}", size, dtype, "parameter_partitions")
-            # Stage 1 keeps the whole gradient; stage 2 keeps only its shard, and the
-            # whole-gradient buffer is a staging area for the reduce-scatter.
-            category = "gradient_partitions" if self.stage == 1 else "communication_buffers"
-            self._grad[dtype] = pool.zeros(f"grads.{key}", size, dtype, category)
-            if self.stage == 2:
-                self._grad_shard[dtype] = pool.zeros(
-                    f"grad_shard.{key}", shard, dtype, "gradient_partitions"
+            self._flat[dtype] = pool.zeros(
+                f"params.{key}", shard if stage == 3 else size, dtype, "parameter_partitions"
+            )
+            self._grad[dtype] = pool.zeros(
+                f"grads.{key}", size if stage <= 1 else shard, dtype, "gradient_partitions"
+            )
+            if stage >= 2:
+                self._staging[dtype] = pool.zeros(
+                    f"grad_bucket.{key}", layout.max_bucket(dtype), dtype, "communication_buffers"
                 )
-            self._exp_avg[dtype] = pool.zeros(f"exp_avg.{key}", shard, dtype, "optimizer_states")
-            self._exp_avg_sq[dtype] = pool.zeros(
-                f"exp_avg_sq.{key}", shard, dtype, "optimizer_states"
-            )
+            if stage == 3:
+                self._gather[dtype] = pool.zeros(
+                    f"param_bucket.{key}",
+                    layout.max_bucket(dtype),
+                    dtype,
+                    "communication_buffers",
+                )
+            for name, store in (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq)):
+                store[dtype] = pool.zeros(f"{name}.{key}", local, dtype, "optimizer_states")
             self._scratch[dtype] = pool.zeros(
-                f"scratch.{key}", min(BLOCK, max(shard, 1)), dtype, "scratch"
+                f"scratch.{key}", min(BLOCK, max(local, 1)), dtype, "scratch"
             )
-        param_views, grad_views = {}, {}
-        for spec in self.layout.params:
-            lo, hi = spec.offset, spec.offset + spec.size
-            param_views[spec.name] = self._flat[spec.dtype][lo:hi].reshape(spec.shape)
-            grad_views[spec.name] = self._grad[spec.dtype][lo:hi].reshape(spec.shape)
-        order = list(params)  # keep the user's order for iteration
-        self.params = FlatArrays({n: param_views[n] for n in order}, "parameter")
-        self.grads = FlatArrays({n: grad_views[n] for n in order}, "gradient")
-        for name, value in params.items():
-            param_views[name][...] = value
-        for flat in self._flat.values():
-            self.comm.bcast_inplace(flat, root=0)
+        self._specs = {spec.name: spec for spec in layout.params}
+        if stage <= 2:
+            views = {n: self._view(self._flat, n) for n in self._order}
+            self._params = FlatArrays(views, "parameter")
+            self._initialize(params, list(self._order), lambda name: views[name])
+            for flat in self._flat.values():
+                self.comm.bcast_inplace(flat, root=0)
+        else:
+            for i, bucket in enumerate(layout.buckets):  # rank 0's values, bucket by bucket
+                buf = self._gather[bucket.dtype][: bucket.size]
+                self._initialize(
+                    params, bucket.names, lambda n, b=bucket, f=buf: self._bucket_view(f, b, n)
+                )
+                self.comm.bcast_inplace(buf, root=0)
+                self._shard_of(self._flat, i)[...] = buf[slice(*bucket.local(self.comm.rank))]
+        if stage <= 1:
+            self._grads = FlatArrays(
+                {n: self._view(self._grad, n) for n in self._order}, "gradient"
+            )
+
+    def _initialize(
+        self,
+        params: Mapping[str, np.ndarray | Deferred],
+        names: Sequence[str],
+        target: Callable[[str], np.ndarray],
+    ) -> None:
+        """Collective: rank 0 writes the initial values of ``names`` into ``target(name)``
+        (the caller broadcasts them); a failing ``init`` raises on every rank."""
+        error = None
+        if self.comm.rank == 0:
+            try:
+                for name in names:
+                    value = params[name]
+                    if isinstance(value, Deferred):
+                        value = value.materialize(name)
+                    np.copyto(target(name), value, casting="same_kind")
+            except Exception as exc:
+                error = exc
+        self.comm.agree(error)
+
+    def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
+        spec = self._specs[name]
+        return flat[spec.dtype][spec.offset : spec.offset + spec.size].reshape(spec.shape)
+
+    def _shard_of(self, store: Mapping[np.dtype, np.ndarray], index: int) -> np.ndarray:
+        """This rank's shard of bucket ``index`` in a shard-sized buffer."""
+        bucket = self.layout.buckets[index]
+        lo = bucket.shard_offset
+        return store[bucket.dtype][lo : lo + bucket.counts[self.comm.rank]]
+
+    def _resolve(self, names: tuple[str, ...]) -> list[str]:
+        """Parameter names for a mix of parameter and group names."""
+        out: list[str] = []
+        for name in names:
+            if name in self._specs:
+                out.append(name)
+            elif name in self.layout.groups:
+                out.extend(self.layout.groups[name])
+            else:
+                raise KeyError(f"{name!r} is neither a parameter nor a group of this model")
+        return out
+
+    # -- parameters and gradients ---------------------------------------------------
+
+    @property
+    def params(self) -> FlatArrays:
+        """Name -> full parameter (a view into the flat buffer). Stages 0-2 only."""
+        if self.stage == 3:
+            raise AttributeError(
+                "stage 3 keeps only parameter shards: read parameters inside "
+                "`with opt.gathered(names) as p`, or copy them all with opt.full_params()"
+            )
+        return self._params
+
+    @property
+    def grads(self) -> FlatArrays:
+        """Name -> full-size gradient view to add into. Stages 0-2; in stage 2 this
+        allocates a full staging buffer on first use (hand gradients over with
+        ``opt.gradients(names)`` instead to keep them at ``1/W``)."""
+        if self.stage == 3:
+            raise AttributeError(
+                "stage 3 has no full gradient: add gradients inside "
+                "`with opt.gradients(names) as g`"
+            )
+        if self.stage == 2 and self._full_grads is None:
+            self._full_grads = {
+                dtype: self.pool.zeros(
+                    f"grads_full.{dtype.name}", size, dtype, "communication_buffers"
+                )
+                for dtype, size in self.layout.sizes.items()
+            }
+            self._grads = FlatArrays(
+                {n: self._view(self._full_grads, n) for n in self._order}, "gradient"
+            )
+        return self._grads
+
+    @contextmanager
+    def gathered(self, *names: str) -> Iterator[Mapping[str, np.ndarray]]:
+        """The full parameters ``names`` (parameter or group names) for the duration of
+        the block. Stage 3 gathers their bucket with ``Allgatherv`` into the gather
+        buffer (collective: every rank must enter it) and releases it on exit; the
+        arrays must not be used after the block. Stages 0-2: the persistent views."""
+        resolved = self._resolve(names)
+        if self.stage < 3:
+            yield {n: self._params[n] for n in resolved}
+            return
+        index = self._single_bucket(resolved, "gathered")
+        if self._gathered is not None:
+            raise RuntimeError(
+                "opt.gathered() blocks cannot nest in stage 3: one layer's parameters are "
+                "gathered at a time"
+            )
+        bucket = self.layout.buckets[index]
+        buf = self._gather[bucket.dtype][: bucket.size]
+        start = time.perf_counter()
+        buf[slice(*bucket.local(self.comm.rank))] = self._shard_of(self._flat, index)
+        self.comm.allgatherv_inplace(buf, bucket.counts, bucket.displs)
+        self.timings["allgather"] += time.perf_counter() - start
+        self._gathered = index
+        try:
+            yield {n: self._bucket_view(buf, bucket, n) for n in resolved}
+        finally:
+            self._gathered = None
+
+    @contextmanager
+    def gradients(self, *names: str) -> Iterator[Mapping[str, np.ndarray]]:
+        """Arrays to *add* the gradients of ``names`` into. On exit they are handed
+        over: in stages 2-3, once every parameter of a bucket has been handed over in
+        this micro-batch, the bucket is reduce-scattered (collective) and only this
+        rank's shard kept. Stages 0-1: views into the full gradient buffer."""
+        resolved = self._resolve(names)
+        if self.stage < 2:
+            yield {n: self._grads[n] for n in resolved}
+            return
+        index = self._single_bucket(resolved, "gradients")
+        if self._open != index:
+            self._flush()
+            bucket = self.layout.buckets[index]
+            self._staging[bucket.dtype][: bucket.size].fill(0)
+            self._open = index
+            self._pending = set(bucket.names)
+        bucket = self.layout.buckets[index]
+        buf = self._staging[bucket.dtype][: bucket.size]
+        yield {n: self._bucket_view(buf, bucket, n) for n in resolved}
+        self._pending.difference_update(resolved)
+        if not self._pending:
+            self._flush()
+
+    def _bucket_view(self, buf: np.ndarray, bucket: Bucket, name: str) -> np.ndarray:
+        spec = self._specs[name]
+        lo = spec.offset - bucket.start
+        return buf[lo : lo + spec.size].reshape(spec.shape)
+
+    def _single_bucket(self, names: list[str], what: str) -> int:
+        indices = {self.layout.bucket_of[n] for n in names}
+        if len(indices) != 1:
+            raise ValueError(
+                f"opt.{what}() takes the parameters of one bucket at a time in stage "
+                f"{self.stage}; {names} span {len(indices)} buckets"
+            )
+        return indices.pop()
+
+    def _flush(self) -> None:
+        """Reduce-scatter the open staging bucket into the gradient shard."""
+        if self._open is None:
+            return
+        index, self._open = self._open, None
+        bucket = self.layout.buckets[index]
+        self._reduce_into_shard(index, self._staging[bucket.dtype][: bucket.size])
+
+    def _reduce_into_shard(self, index: int, buf: np.ndarray) -> None:
+        start = time.perf_counter()
+        bucket = self.layout.buckets[index]
+        reduced = self.comm.reduce_scatter_inplace(buf, bucket.counts)
+        target = self._shard_of(self._grad, index)
+        if self._reductions[index] == 0:
+            np.copyto(target, reduced)
+        else:
+            np.add(target, reduced, out=target)
+        self._reductions[index] += 1
+        self.timings["reduce_scatter"] += time.perf_counter() - start
 
     # -- training --------------------------------------------------------------
 
     def zero_grad(self) -> None:
         """Discard every gradient added or accumulated since the last step."""
-        for grad in self._grad.values():
-            grad.fill(0)
+        for store in (self._grad, self._full_grads or {}):
+            for grad in store.values():
+                grad.fill(0)
+        self._open, self._pending = None, set()
+        self._reductions = [0] * len(self.layout.buckets)
         self._micro_batches = 0
 
     def accumulate(self) -> None:
-        """Collective: end of one micro-batch. Its gradients (added into ``opt.grads``)
-        are folded into the accumulated gradient and ``opt.grads`` may take the next
-        micro-batch. Stage 2 reduce-scatters here and keeps only the local shard."""
+        """Collective: end of one micro-batch; its gradients are folded into the
+        accumulated gradient and the gradient buffers take the next micro-batch."""
         self._micro_batches += 1
-        if self.stage == 1:
-            return  # gradients keep summing in the whole-gradient buffer
-        first = self._micro_batches == 1
-        start = time.perf_counter()
-        for bucket in self.layout.buckets:
-            reduced = self.comm.reduce_scatter_inplace(
-                self._grad[bucket.dtype][bucket.start : bucket.stop], bucket.counts
-            )
-            lo = bucket.shard_offset
-            target = self._grad_shard[bucket.dtype][lo : lo + reduced.shape[0]]
-            if first:
-                np.copyto(target, reduced)
-            else:
-                np.add(target, reduced, out=target)
-        for grad in self._grad.values():
-            grad.fill(0)
-        self.timings["reduce_scatter"] += time.perf_counter() - start
+        if self.stage < 2:
+            return  # gradients keep summing in the full gradient buffer
+        self._flush()
+        if self._full_grads is not None:  # stage 2 with opt.grads: reduce every bucket
+            for index, bucket in enumerate(self.layout.buckets):
+                self._reduce_into_shard(
+                    index, self._full_grads[bucket.dtype][bucket.start : bucket.stop]
+                )
+            for grad in self._full_grads.values():
+                grad.fill(0)
 
     def step(self) -> None:
         """Collective: average the gradients over ranks and micro-batches, run Adam on
-        the local shard of every bucket, gather the updated parameters everywhere.
-        Leaves ``opt.grads`` zeroed for the next backward."""
+        this rank's part of every bucket, and (stages 1-2) gather the updated
+        parameters everywhere. Leaves every gradient buffer zeroed."""
         if self._micro_batches == 0:
-            self.accumulate()  # the gradients in opt.grads are the one micro-batch
+            self.accumulate()  # what was handed over is the one micro-batch
+        else:
+            self._flush()
         self.step_count += 1
         divisor = float(self.comm.size * self._micro_batches)
         clock = time.perf_counter
-        for bucket in self.layout.buckets:
+        rank = self.comm.rank
+        for index, bucket in enumerate(self.layout.buckets):
             dtype = bucket.dtype
             t0 = clock()
-            if self.stage == 1:
-                grad = self.comm.reduce_scatter_inplace(
-                    self._grad[dtype][bucket.start : bucket.stop], bucket.counts
-                )
+            lo, hi = bucket.local(rank)
+            if self.stage == 0:
+                grad = self._grad[dtype][bucket.start : bucket.stop]
+                self.comm.allreduce_inplace(grad)
+                param = self._flat[dtype][bucket.start : bucket.stop]
+                moments = slice(bucket.start, bucket.stop)
             else:
-                lo = bucket.shard_offset
-                grad = self._grad_shard[dtype][lo : lo + bucket.counts[self.comm.rank]]
+                if self.stage == 1:
+                    grad = self.comm.reduce_scatter_inplace(
+                        self._grad[dtype][bucket.start : bucket.stop], bucket.counts
+                    )
+                else:
+                    grad = self._shard_of(self._grad, index)
+                    if self._reductions[index] == 0:
+                        grad.fill(0)  # nothing was handed over: a zero gradient
+                if self.stage == 3:
+                    param = self._shard_of(self._flat, index)
+                else:
+                    param = self._flat[dtype][bucket.start + lo : bucket.start + hi]
+                moments = slice(bucket.shard_offset, bucket.shard_offset + hi - lo)
             t1 = clock()
-            lo, hi = bucket.local(self.comm.rank)
-            flat = self._flat[dtype][bucket.start : bucket.stop]
-            s0 = bucket.shard_offset
-            s1 = s0 + hi - lo
             adam_step(
-                flat[lo:hi],
+                param,
                 grad,
-                self._exp_avg[dtype][s0:s1],
-                self._exp_avg_sq[dtype][s0:s1],
+                self._exp_avg[dtype][moments],
+                self._exp_avg_sq[dtype][moments],
                 self.step_count,
                 self.config,
                 self._scratch[dtype],
                 divisor,
             )
             t2 = clock()
-            self.comm.allgatherv_inplace(flat, bucket.counts, bucket.displs)
+            if self.stage in (1, 2):
+                self.comm.allgatherv_inplace(
+                    self._flat[dtype][bucket.start : bucket.stop], bucket.counts, bucket.displs
+                )
             t3 = clock()
             self.timings["reduce_scatter"] += t1 - t0
             self.timings["adam"] += t2 - t1
             self.timings["allgather"] += t3 - t2
-        # Stage 1 consumed the whole gradient buffer; in stage 2 it only holds what was
-        # added after the last accumulate(), which is not part of this step.
-        for grad in self._grad.values():
-            grad.fill(0)
+        if self.stage <= 1:
+            for grad in self._grad.values():
+                grad.fill(0)  # consumed (stage 1 reduced it in place)
+        self._reductions = [0] * len(self.layout.buckets)
         self._micro_batches = 0
 
     # -- inspection ------------------------------------------------------------
@@ -293,27 +539,44 @@ class ZeroOptimizer:
         return out
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes this rank's optimizer holds, per category (the reference's four,
-        plus the Adam kernel's scratch)."""
+        """Bytes this rank's optimizer holds, per category: the reference's four
+        (``optimizer_states``, ``gradient_partitions``, ``parameter_partitions``,
+        ``communication_buffers``) plus the Adam kernel's ``scratch``."""
         return self.pool.usage()
+
+    def memory_buffers(self) -> dict[str, int]:
+        """Bytes per named buffer (``grad_bucket.float32``, ``exp_avg.float32``, ...)."""
+        return self.pool.buffers()
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        """Collective: a copy of every full parameter, on every rank (any stage)."""
+        if self.stage < 3:
+            return {n: self._params[n].copy() for n in self._order}
+        return self._gather_full(self._flat)
 
     def gather_state(self) -> dict[str, dict[str, np.ndarray]]:
         """Collective: the full (unsharded) ``exp_avg`` and ``exp_avg_sq`` of every
         parameter on every rank. Allocates full-size arrays: for checks and export,
         not for the training loop."""
-        out: dict[str, dict[str, np.ndarray]] = {"exp_avg": {}, "exp_avg_sq": {}}
-        for key, shards in (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq)):
-            full = {dtype: np.zeros(size, dtype) for dtype, size in self.layout.sizes.items()}
-            for bucket in self.layout.buckets:
-                lo, hi = bucket.local(self.comm.rank)
-                s0 = bucket.shard_offset
-                part = full[bucket.dtype][bucket.start : bucket.stop]
-                part[lo:hi] = shards[bucket.dtype][s0 : s0 + hi - lo]
-                self.comm.allgatherv_inplace(part, bucket.counts, bucket.displs)
-            for spec in self.layout.params:
-                flat = full[spec.dtype][spec.offset : spec.offset + spec.size]
-                out[key][spec.name] = flat.reshape(spec.shape)
-        return out
+        if self.stage == 0:
+            return {
+                "exp_avg": {n: self._view(self._exp_avg, n).copy() for n in self._order},
+                "exp_avg_sq": {n: self._view(self._exp_avg_sq, n).copy() for n in self._order},
+            }
+        return {
+            "exp_avg": self._gather_full(self._exp_avg),
+            "exp_avg_sq": self._gather_full(self._exp_avg_sq),
+        }
+
+    def _gather_full(self, shards: Mapping[np.dtype, np.ndarray]) -> dict[str, np.ndarray]:
+        full = {dtype: np.zeros(size, dtype) for dtype, size in self.layout.sizes.items()}
+        traffic, self.comm.traffic = self.comm.traffic, {}  # not training traffic
+        for index, bucket in enumerate(self.layout.buckets):
+            part = full[bucket.dtype][bucket.start : bucket.stop]
+            part[slice(*bucket.local(self.comm.rank))] = self._shard_of(shards, index)
+            self.comm.allgatherv_inplace(part, bucket.counts, bucket.displs)
+        self.comm.traffic = traffic
+        return {n: self._view(full, n) for n in self._order}
 
     def __repr__(self) -> str:
         total = sum(self.layout.sizes.values())
@@ -321,4 +584,3 @@ class ZeroOptimizer:
             f"ZeroOptimizer(stage={self.stage}, params={total}, buckets="
             f"{len(self.layout.buckets)}, rank={self.comm.rank}/{self.comm.size})"
         )
-

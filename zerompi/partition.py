@@ -134,14 +134,22 @@ class Bucket:
         return self.displs[rank], self.displs[rank] + self.counts[rank]
 
 
+def default_group(name: str) -> str:
+    """The module a parameter belongs to: ``"layer0.weight"`` -> ``"layer0"``. The
+    parameters of one group always share a bucket."""
+    return name.rpartition(".")[0] or name
+
+
 @dataclass(frozen=True)
 class Layout:
     """The flat layout of a model on one rank of a world of ``world_size``.
 
     Parameters of each dtype are packed, in the mapping's order, into one flat
-    buffer per dtype; each buffer is cut into buckets (:func:`plan_buckets`) and
-    each bucket is sharded with :func:`shard_range`. ``shard_sizes[dtype]`` is the
-    length of this rank's concatenated shards of that dtype.
+    buffer per dtype. Consecutive parameters of the same group (a layer) form a unit
+    that is never split; units are packed into buckets (:func:`plan_buckets`, or one
+    unit per bucket when ``merge`` is false) and each bucket is sharded with
+    :func:`shard_range`. ``shard_sizes[dtype]`` is the length of this rank's
+    concatenated shards of that dtype.
     """
 
     world_size: int
@@ -150,6 +158,8 @@ class Layout:
     buckets: tuple[Bucket, ...]
     sizes: Mapping[np.dtype, int]
     shard_sizes: Mapping[np.dtype, int]
+    groups: Mapping[str, tuple[str, ...]]  # group -> its parameter names, in order
+    bucket_of: Mapping[str, int]  # parameter name -> index into buckets
 
     @classmethod
     def build(
@@ -158,8 +168,13 @@ class Layout:
         world_size: int,
         rank: int,
         bucket_elems: int,
+        group_keys: Sequence[str] | None = None,
+        merge: bool = True,
     ) -> Layout:
         shard_range(0, world_size, rank)  # validates world_size and rank
+        if group_keys is None:
+            group_keys = [name for name, _, _ in specs]
+        key_of = {name: key for (name, _, _), key in zip(specs, group_keys, strict=True)}
         params: list[ParamSpec] = []
         buckets: list[Bucket] = []
         sizes: dict[np.dtype, int] = {}
@@ -167,25 +182,34 @@ class Layout:
         dtypes = list(dict.fromkeys(np.dtype(d) for _, _, d in specs))
         for dtype in dtypes:
             group = [(n, tuple(s)) for n, s, d in specs if np.dtype(d) == dtype]
+            first = len(params)
             offset = 0
             for name, shape in group:
                 size = int(np.prod(shape, dtype=np.int64))
                 params.append(ParamSpec(name, shape, dtype, offset, size))
                 offset += size
             sizes[dtype] = offset
-            group_specs = params[len(params) - len(group) :]
+            mine = params[first:]
+            # Units: runs of consecutive parameters of one group.
+            units: list[list[ParamSpec]] = []
+            for spec in mine:
+                if units and key_of[units[-1][-1].name] == key_of[spec.name]:
+                    units[-1].append(spec)
+                else:
+                    units.append([spec])
+            unit_sizes = [sum(p.size for p in unit) for unit in units]
             shard_offset = 0
-            for members in plan_buckets([p.size for p in group_specs], bucket_elems):
-                start = group_specs[members[0]].offset
-                last = group_specs[members[-1]]
-                stop = last.offset + last.size
+            for members in plan_buckets(unit_sizes, bucket_elems if merge else 1):
+                specs_in = [p for i in members for p in units[i]]
+                start = specs_in[0].offset
+                stop = specs_in[-1].offset + specs_in[-1].size
                 counts, displs = shard_counts(stop - start, world_size)
                 buckets.append(
                     Bucket(
                         dtype,
                         start,
                         stop,
-                        tuple(group_specs[i].name for i in members),
+                        tuple(p.name for p in specs_in),
                         tuple(counts),
                         tuple(displs),
                         shard_offset,
@@ -193,8 +217,14 @@ class Layout:
                 )
                 shard_offset += counts[rank]
             shard_sizes[dtype] = shard_offset
-        return cls(world_size, rank, tuple(params), tuple(buckets), sizes, shard_sizes)
+        groups: dict[str, tuple[str, ...]] = {}
+        for name, _, _ in specs:
+            groups[key_of[name]] = (*groups.get(key_of[name], ()), name)
+        bucket_of = {name: i for i, b in enumerate(buckets) for name in b.names}
+        return cls(
+            world_size, rank, tuple(params), tuple(buckets), sizes, shard_sizes, groups, bucket_of
+        )
 
-    def describe(self) -> tuple:
-        """A rank-independent description: equal on all ranks iff the layouts agree."""
-        return tuple((p.name, p.shape, p.dtype.str) for p in self.params)
+    def max_bucket(self, dtype: np.dtype) -> int:
+        """Elements of the largest bucket of ``dtype``: the size of a staging buffer."""
+        return max((b.size for b in self.buckets if b.dtype == dtype), default=0)
