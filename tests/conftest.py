@@ -19,6 +19,7 @@ split into unequal groups, the world in reverse rank order), so a single
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 
 import pytest
@@ -64,6 +65,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         sys.stderr.write("".join(traceback.format_exception(call.excinfo.value)))
     sys.stderr.flush()
     sys.stdout.flush()
+    time.sleep(0.5)  # let the launcher forward what this rank printed before the kill
     WORLD.Abort(1)
 
 

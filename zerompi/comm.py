@@ -11,6 +11,8 @@ in their next collective.
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,6 +128,9 @@ class Comm:
     def abort(self, code: int = 1) -> None:
         """End every process of the job (all of COMM_WORLD), not just this
         communicator: the only safe exit when this rank cannot continue."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(0.5)  # let the launcher forward what this rank printed before the kill
         MPI.COMM_WORLD.Abort(code)
 
     def agree(self, error: BaseException | None) -> None:
