@@ -10,8 +10,14 @@ on one node reduce and gather through memory.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+from .adam import BLOCK
+
+if TYPE_CHECKING:
+    from .partition import Layout
 
 #: Byte alignment of every buffer: a cache line, and enough for any SIMD kernel.
 ALIGNMENT = 64
@@ -24,6 +30,62 @@ CATEGORIES = (
     "communication_buffers",
     "scratch",
 )
+
+
+class PlannedBuffer(NamedTuple):
+    """One buffer of an optimizer's plan: ``count`` elements of ``dtype``."""
+
+    kind: str  # what it holds: "params", "grads", "exp_avg", ...
+    dtype: np.dtype
+    count: int
+    category: str  # one of CATEGORIES
+
+    @property
+    def name(self) -> str:
+        """The pool name, e.g. ``"grad_bucket.float32"``."""
+        return f"{self.kind}.{self.dtype.name}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+
+def buffer_plan(layout: Layout, stage: int) -> list[PlannedBuffer]:
+    """Every buffer a ``ZeroOptimizer`` of ``stage`` allocates at construction on the
+    rank of ``layout``, in allocation order: the one description that the optimizer
+    allocates from and :mod:`zerompi.memory` estimates from.
+
+    Per dtype: the parameters (full in stages 0-2, the shard in 3), the gradients
+    (full in 0-1, the shard in 2-3), one bucket of gradient staging (2-3) and of
+    parameter gathering (3), the two Adam moments over what Adam runs on (everything
+    in stage 0, the shard otherwise) and the Adam kernel's scratch block.
+    """
+    plan: list[PlannedBuffer] = []
+    for dtype, size in layout.sizes.items():
+        shard = layout.shard_sizes[dtype]
+        local = size if stage == 0 else shard  # what Adam runs on
+        plan.append(
+            PlannedBuffer("params", dtype, shard if stage == 3 else size, "parameter_partitions")
+        )
+        plan.append(
+            PlannedBuffer("grads", dtype, size if stage <= 1 else shard, "gradient_partitions")
+        )
+        if stage >= 2:
+            plan.append(
+                PlannedBuffer(
+                    "grad_bucket", dtype, layout.max_bucket(dtype), "communication_buffers"
+                )
+            )
+        if stage == 3:
+            plan.append(
+                PlannedBuffer(
+                    "param_bucket", dtype, layout.max_bucket(dtype), "communication_buffers"
+                )
+            )
+        for kind in ("exp_avg", "exp_avg_sq"):
+            plan.append(PlannedBuffer(kind, dtype, local, "optimizer_states"))
+        plan.append(PlannedBuffer("scratch", dtype, min(BLOCK, max(local, 1)), "scratch"))
+    return plan
 
 
 def aligned_empty(count: int, dtype: np.dtype | type) -> np.ndarray:

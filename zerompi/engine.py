@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from .adam import BLOCK, AdamConfig, adam_step
-from .buffers import BufferPool
+from .adam import AdamConfig, adam_step
+from .buffers import BufferPool, buffer_plan
 from .comm import Comm
 from .partition import SUPPORTED_DTYPES, Bucket, Layout, default_group
 
@@ -105,6 +105,8 @@ class Deferred:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"Deferred shape {self.shape} has a negative dimension")
 
     @property
     def size(self) -> int:
@@ -221,6 +223,7 @@ class ZeroOptimizer:
         self._pending: set[str] = set()  # its parameters not handed over yet
         self._gathered: int | None = None  # stage 3: bucket in the gather buffer
         self._full_grads: dict[np.dtype, np.ndarray] | None = None  # stage 2 opt.grads
+        self._full_grads_everywhere = False  # every rank knows all ranks allocated it
         self._allocate(params)
 
     # -- setup -----------------------------------------------------------------
@@ -236,32 +239,17 @@ class ZeroOptimizer:
         self._exp_avg: dict[np.dtype, np.ndarray] = {}
         self._exp_avg_sq: dict[np.dtype, np.ndarray] = {}
         self._scratch: dict[np.dtype, np.ndarray] = {}
-        for dtype, size in layout.sizes.items():
-            shard = layout.shard_sizes[dtype]
-            local = size if stage == 0 else shard  # what Adam runs on
-            key = dtype.name
-            self._flat[dtype] = pool.zeros(
-                f"params.{key}", shard if stage == 3 else size, dtype, "parameter_partitions"
-            )
-            self._grad[dtype] = pool.zeros(
-                f"grads.{key}", size if stage <= 1 else shard, dtype, "gradient_partitions"
-            )
-            if stage >= 2:
-                self._staging[dtype] = pool.zeros(
-                    f"grad_bucket.{key}", layout.max_bucket(dtype), dtype, "communication_buffers"
-                )
-            if stage == 3:
-                self._gather[dtype] = pool.zeros(
-                    f"param_bucket.{key}",
-                    layout.max_bucket(dtype),
-                    dtype,
-                    "communication_buffers",
-                )
-            for name, store in (("exp_avg", self._exp_avg), ("exp_avg_sq", self._exp_avg_sq)):
-                store[dtype] = pool.zeros(f"{name}.{key}", local, dtype, "optimizer_states")
-            self._scratch[dtype] = pool.zeros(
-                f"scratch.{key}", min(BLOCK, max(local, 1)), dtype, "scratch"
-            )
+        stores = {
+            "params": self._flat,
+            "grads": self._grad,
+            "grad_bucket": self._staging,
+            "param_bucket": self._gather,
+            "exp_avg": self._exp_avg,
+            "exp_avg_sq": self._exp_avg_sq,
+            "scratch": self._scratch,
+        }
+        for buf in buffer_plan(layout, stage):  # the plan zerompi.memory estimates from
+            stores[buf.kind][buf.dtype] = pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
         self._specs = {spec.name: spec for spec in layout.params}
         if stage <= 2:
             views = {n: self._view(self._flat, n) for n in self._order}
@@ -347,16 +335,17 @@ class ZeroOptimizer:
                 "`with opt.gradients(names) as g`"
             )
         if self.stage == 2 and self._full_grads is None:
-            self._full_grads = {
-                dtype: self.pool.zeros(
-                    f"grads_full.{dtype.name}", size, dtype, "communication_buffers"
-                )
-                for dtype, size in self.layout.sizes.items()
-            }
-            self._grads = FlatArrays(
-                {n: self._view(self._full_grads, n) for n in self._order}, "gradient"
-            )
+            self._allocate_full_grads()
         return self._grads
+
+    def _allocate_full_grads(self) -> None:
+        self._full_grads = {
+            dtype: self.pool.zeros(f"grads_full.{dtype.name}", size, dtype, "communication_buffers")
+            for dtype, size in self.layout.sizes.items()
+        }
+        self._grads = FlatArrays(
+            {n: self._view(self._full_grads, n) for n in self._order}, "gradient"
+        )
 
     @contextmanager
     def gathered(self, *names: str) -> Iterator[Mapping[str, np.ndarray]]:
@@ -462,6 +451,14 @@ class ZeroOptimizer:
         if self.stage < 2:
             return  # gradients keep summing in the full gradient buffer
         self._flush()
+        if not self._full_grads_everywhere:
+            # opt.grads may have been used on some ranks only (say, to log a norm): agree,
+            # or those ranks would reduce-scatter buckets the others never reduce.
+            if not self.comm.max(int(self._full_grads is not None)):
+                return
+            if self._full_grads is None:
+                self._allocate_full_grads()
+            self._full_grads_everywhere = True
         if self._full_grads is not None:  # stage 2 with opt.grads: reduce every bucket
             for index, bucket in enumerate(self.layout.buckets):
                 self._reduce_into_shard(

@@ -135,8 +135,9 @@ class Bucket:
 
 
 def default_group(name: str) -> str:
-    """The module a parameter belongs to: ``"layer0.weight"`` -> ``"layer0"``. The
-    parameters of one group always share a bucket."""
+    """The module a parameter belongs to: ``"layer0.weight"`` -> ``"layer0"``.
+    Consecutive parameters of one group and one dtype always share a bucket (a group
+    whose parameters are interleaved with another's, or of two dtypes, spans several)."""
     return name.rpartition(".")[0] or name
 
 

@@ -1,0 +1,254 @@
+"""zerompi.memory: the estimator against the optimizer's own accounting, and the paper.
+
+The central test builds real ``ZeroOptimizer`` s on every communicator of the ``comm``
+fixture (sizes 1 to 4 under ``mpiexec -n 4``, some uneven) for assorted layouts,
+bucket sizes and all four stages, and checks that ``estimate`` for that world size
+and rank gives ``memory_usage()`` and ``memory_buffers()`` to the byte (buffer order
+included). The other tests are pure: they build layouts for any world size in one
+process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import assert_all
+from mpi4py import MPI
+
+from zerompi import ZeroOptimizer
+from zerompi.buffers import CATEGORIES
+from zerompi.engine import DEFAULT_BUCKET_ELEMS, STAGES
+from zerompi.memory import (
+    estimate,
+    estimate_max,
+    flat_specs,
+    main,
+    mlp_specs,
+    paper_bytes,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+#: Layouts: (name, shape, dtype) in the model's order.
+LAYOUTS: dict[str, list[tuple[str, tuple[int, ...], np.dtype]]] = {
+    # Tiny groups of a few parameters, a scalar and one-element parameters: with small
+    # buckets some ranks own nothing of some buckets, or nothing at all.
+    "tiny": [
+        ("a.w", (7, 5), F32),
+        ("a.b", (5,), F32),
+        ("b.w", (2,), F32),
+        ("b.s", (), F32),
+        ("c.w", (3, 4, 2), F32),
+        ("d", (1,), F32),
+        ("e.x", (13,), F32),
+    ],
+    # float32 and float64 interleaved in one model.
+    "mixed": [
+        ("l0.w", (6, 4), F32),
+        ("l0.d", (9,), F64),
+        ("l1.b", (3,), F32),
+        ("l1.s", (), F64),
+        ("l2.t", (1,), F32),
+        ("l3.w", (4, 5), F64),
+    ],
+    "mlp": mlp_specs(5, 7, 2, 3, F64),
+    "flat": flat_specs(101, 9, F32),
+}
+
+BUCKETS = (1, 3, DEFAULT_BUCKET_ELEMS)
+
+
+def _optimizer(specs, comm: MPI.Intracomm, stage: int, bucket_elems: int) -> ZeroOptimizer:
+    params = {name: np.zeros(shape, dtype) for name, shape, dtype in specs}
+    return ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_estimate_equals_the_optimizer(comm: MPI.Intracomm, layout: str) -> None:
+    specs = LAYOUTS[layout]
+    size, rank = comm.Get_size(), comm.Get_rank()
+    problems: list[str] = []
+    for stage in STAGES:
+        for bucket_elems in BUCKETS:
+            what = f"{layout}, W={size}, rank {rank}, stage {stage}, bucket_elems {bucket_elems}"
+            opt = _optimizer(specs, comm, stage, bucket_elems)
+            est = estimate(specs, size, rank, stage, bucket_elems)
+            if est["usage"] != opt.memory_usage():
+                problems.append(f"{what}: usage {est['usage']} != {opt.memory_usage()}")
+            if list(est["buffers"].items()) != list(opt.memory_buffers().items()):
+                problems.append(f"{what}: buffers {est['buffers']} != {opt.memory_buffers()}")
+            if est["total_bytes"] != sum(opt.memory_usage().values()):
+                problems.append(f"{what}: total_bytes {est['total_bytes']}")
+            if est["buckets"] != len(opt.layout.buckets):
+                problems.append(
+                    f"{what}: {est['buckets']} buckets, optimizer has {len(opt.layout.buckets)}"
+                )
+            if stage == 2:  # opt.grads allocates the full gradient buffer on first use
+                opt.grads  # noqa: B018
+                full = estimate(specs, size, rank, stage, bucket_elems, full_grads=True)
+                if full["buffers"] != opt.memory_buffers():
+                    problems.append(
+                        f"{what}: full_grads buffers {full['buffers']} != {opt.memory_buffers()}"
+                    )
+    assert_all(not problems, "\n".join(problems[:10]))
+
+
+def test_estimate_with_group_of(comm: MPI.Intracomm) -> None:
+    """A custom group_of: every parameter its own group (stage 3: its own bucket)."""
+    specs = LAYOUTS["tiny"]
+    size, rank = comm.Get_size(), comm.Get_rank()
+    params = {name: np.zeros(shape, dtype) for name, shape, dtype in specs}
+    problems = []
+    for stage in (2, 3):
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=8, group_of=str)
+        est = estimate(specs, size, rank, stage, 8, str)
+        if est["buffers"] != opt.memory_buffers():
+            problems.append(f"stage {stage}: {est['buffers']} != {opt.memory_buffers()}")
+    assert_all(not problems, "\n".join(problems))
+
+
+# -- pure tests: no communication ---------------------------------------------------
+
+
+def _all_figures(est: dict[str, Any]) -> dict[str, int]:
+    figures = {f"usage.{k}": v for k, v in est["usage"].items()}
+    figures.update({f"buffer.{k}": v for k, v in est["buffers"].items()})
+    figures.update({k: est[k] for k in ("exact_bytes", "buffers_bytes", "total_bytes")})
+    return figures
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_rank_zero_holds_the_most(layout: str) -> None:
+    specs = LAYOUTS[layout]
+    for world in range(1, 8):
+        for stage in STAGES:
+            for bucket_elems in BUCKETS:
+                top = _all_figures(estimate_max(specs, world, stage, bucket_elems))
+                for rank in range(world):
+                    figures = _all_figures(estimate(specs, world, rank, stage, bucket_elems))
+                    assert figures.keys() == top.keys()
+                    worse = {k: v for k, v in figures.items() if v > top[k]}
+                    assert not worse, (world, stage, bucket_elems, rank, worse)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8, 64])
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
+def test_exact_matches_the_paper_for_large_models(world: int, dtype: np.dtype) -> None:
+    """The layout's four arrays differ from the paper's real-valued formula only by
+    the ceil-division of each bucket: < 1 element per bucket and sharded array."""
+    params = 50_000_017
+    specs = flat_specs(params, 1 << 20, dtype)  # 48 parameters, one per bucket
+    for stage in STAGES:
+        est = estimate_max(specs, world, stage)
+        paper = paper_bytes({dtype: params}, world, stage)
+        assert est["paper_bytes"] == paper
+        sharded = (0, 2, 3, 4)[stage]
+        slack = sharded * est["buckets"] * dtype.itemsize
+        assert 0 <= est["exact_bytes"] - paper <= slack, (stage, est["exact_bytes"], paper)
+        if world == 1 or stage == 0:
+            assert est["exact_bytes"] == paper
+        assert abs(est["exact_bytes"] / paper - 1) < 1e-5
+        # The staging buffers are the only difference between total and exact.
+        extra = est["buffers"].get(f"grad_bucket.{dtype.name}", 0)
+        extra += est["buffers"].get(f"param_bucket.{dtype.name}", 0)
+        extra += est["buffers"][f"scratch.{dtype.name}"]
+        assert est["buffers_bytes"] == extra
+
+
+def test_paper_formula_by_stage() -> None:
+    p, w = 1_000_000, 4
+    assert paper_bytes({F32: p}, w, 0) == 16 * p
+    assert paper_bytes({F32: p}, w, 1) == 8 * p + 8 * p / w
+    assert paper_bytes({F32: p}, w, 2) == 4 * p + 12 * p / w
+    assert paper_bytes({F32: p}, w, 3) == 16 * p / w
+    assert paper_bytes({F64: p}, w, 3) == 32 * p / w
+    assert paper_bytes({F32: p, F64: p}, 1, 2) == 4 * (4 + 8) * p  # all 4 arrays at W=1
+
+
+def test_known_figures() -> None:
+    """1M float32 parameters in one bucket at W=4, stage 3: a quarter of each array,
+    two full buckets of staging, one scratch block."""
+    est = estimate(flat_specs(1_000_000, 1 << 22), 4, 3, 3)
+    assert est["buffers"] == {
+        "params.float32": 1_000_000,
+        "grads.float32": 1_000_000,
+        "grad_bucket.float32": 4_000_000,
+        "param_bucket.float32": 4_000_000,
+        "exp_avg.float32": 1_000_000,
+        "exp_avg_sq.float32": 1_000_000,
+        "scratch.float32": 4 * (1 << 15),
+    }
+    assert est["exact_bytes"] == 4_000_000 == est["paper_bytes"]
+    assert list(est["usage"]) == list(CATEGORIES)
+
+
+def test_mlp_specs_are_the_driver_model() -> None:
+    from zerompi import mlp
+
+    sizes = mlp.layer_sizes(6, 5, 3, 4)
+    params = mlp.init_params(sizes, seed=0, dtype=np.float64)
+    assert mlp_specs(6, 5, 3, 4, np.float64) == [
+        (name, value.shape, value.dtype) for name, value in params.items()
+    ]
+    assert sum(int(np.prod(s)) for _, s, _ in mlp_specs(6, 5, 3, 4)) == mlp.count_params(sizes)
+
+
+def test_flat_specs() -> None:
+    specs = flat_specs(10, 4)
+    assert [s for _, s, _ in specs] == [(4,), (4,), (2,)]
+    assert [s for _, s, _ in flat_specs(8, 4)] == [(4,), (4,)]
+    with pytest.raises(ValueError):
+        flat_specs(0, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"stage": 4}, ValueError, "stage must be one of"),
+        ({"bucket_elems": 0}, ValueError, "bucket_elems must be >= 1"),
+        ({"bucket_elems": 2.0}, TypeError, "bucket_elems must be an integer"),
+        ({"specs": []}, ValueError, "nothing to optimize"),
+        ({"specs": [("x", (3,), np.int32)]}, TypeError, "float32 or float64"),
+        ({"specs": [("x", (0, 3), F32)]}, ValueError, "no elements"),
+        ({"specs": [("x", (3,), F32), ("x", (2,), F32)]}, ValueError, "appears twice"),
+        ({"rank": 4}, ValueError, "out of range"),
+    ],
+)
+def test_estimate_rejects_bad_input(kwargs: dict[str, Any], error: type, match: str) -> None:
+    args = {"specs": LAYOUTS["tiny"], "world_size": 4, "rank": 0, "stage": 1, **kwargs}
+    with pytest.raises(error, match=match):
+        estimate(**args)
+
+
+def test_main_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--mlp", "8,16,2,4", "--world", "3", "--stage", "2", "--per-rank"]) == 0
+    out = capsys.readouterr().out
+    assert "MLP 8-16-16-4" in out and "paper formula" in out and "grad_bucket.float32" in out
+    assert main(["--params", "100", "--world", "2", "--stage", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["max_over_ranks"]["usage"] == estimate_max(flat_specs(100, 1 << 22), 2, 1)["usage"]
+    with pytest.raises(SystemExit):
+        main(["--mlp", "8,16,2,4", "--world", "2", "--stage", "1", "--layer-elems", "3"])
+    with pytest.raises(SystemExit):
+        main(["--mlp", "8,16", "--world", "2", "--stage", "1"])
+
+
+@pytest.mark.mpi_skip
+def test_cli_json() -> None:
+    cmd = [sys.executable, "-m", "zerompi.memory", "--params", "1000000", "--world", "4"]
+    cmd += ["--stage", "3", "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    result = data["max_over_ranks"]
+    assert result["exact_bytes"] == 4_000_000
+    assert result["paper_bytes"] == 4_000_000.0
+    assert result["usage"] == estimate_max(flat_specs(1_000_000, 1 << 22), 4, 3)["usage"]
+    assert result["world_size"] == 4 and result["stage"] == 3
