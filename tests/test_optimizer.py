@@ -1,4 +1,5 @@
-"""ZeroOptimizer: sharded Adam/AdamW (ZeRO stages 1 and 2) against the unsharded reference.
+"""ZeroOptimizer: plain data parallelism (stage 0) and ZeRO stages 1-3 against the
+unsharded reference.
 
 Every collective test takes the ``comm`` fixture, so one ``mpiexec -n 4`` runs it on
 communicators of sizes 1 to 4, some uneven. Rank ``r``'s gradient at step ``s`` is a
@@ -6,6 +7,13 @@ deterministic function of ``(s, r)``; the reference optimizer steps on the mean 
 ranks of the same gradients, which every rank computes on its own. On a communicator
 of one rank the sharded optimizer must reproduce the reference bit for bit; on more,
 within float32 1e-6 / float64 1e-12 relative error (``helpers.rel_error``).
+
+The optimizer is driven in one of five ``MODES``: stages 0-2 adding into
+``opt.grads`` as a plain backward pass would, and stages 2 and 3 handing gradients
+over group by group in reverse order through ``opt.gathered`` / ``opt.gradients``
+(the streamed API that keeps stage 2-3 gradients at ``1/W``). Stage 3 has no
+``opt.params``: its parameters are checked as the backward pass gathers them (the
+values after the previous step) and with ``opt.full_params()``.
 
 Gradients are multiples of 1/8 with a sign that depends only on the element, so the
 sum over ranks is exact whatever order MPI adds them in and never cancels to (nearly)
@@ -16,14 +24,16 @@ uses generic random gradients instead.
 Verdicts that could differ between ranks are agreed on with the collective helpers;
 each test makes the same number of them on every rank, whatever its sub-communicator,
 and mostly just one at the end (problems are collected first), which keeps the suite
-fast when ``mpiexec -n 4`` oversubscribes the cores.
+fast when ``mpiexec -n 4`` oversubscribes the cores. For the same reason the widest
+tables pair each case with one communicator (cycling through all four) instead of
+running every case on every communicator.
 """
 
 from __future__ import annotations
 
 import itertools
 import tracemalloc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,19 +57,21 @@ CATEGORIES = (
     "communication_buffers",
     "scratch",
 )
+COMMS = ["world", "self", "split", "reversed"]  # the ``comm`` fixture's communicators
 
 #: name -> (shape, dtype), in the model's order.
 Spec = dict[str, tuple[tuple[int, ...], np.dtype]]
 
-#: Assorted shapes: matrices, vectors, a tiny vector, a scalar, a 3-D tensor, one
-#: element. Small buckets leave some ranks owning nothing in some buckets.
+#: Assorted shapes in groups (layers): matrices, vectors, a tiny vector, a scalar, a
+#: 3-D tensor, one element. Small buckets leave some ranks owning nothing in some
+#: buckets; a group is never split across buckets.
 SHAPES: dict[str, tuple[int, ...]] = {
-    "w1": (7, 5),
-    "b1": (5,),
+    "l1.w": (7, 5),
+    "l1.b": (5,),
     "tiny": (2,),
     "scalar": (),
-    "w2": (3, 4, 2),
-    "one": (1,),
+    "l2.w": (3, 4, 2),
+    "l2.one": (1,),
     "w3": (13,),
 }
 
@@ -76,6 +88,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "adam": {"lr": 1e-2},
     "adamw": {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": True},
     "adam_l2": {"lr": 1e-2, "weight_decay": 0.05},
+}
+
+#: How a test drives the optimizer: (stage, api). ``"grads"`` adds every gradient into
+#: ``opt.grads`` (stages 0-2; stage 2 then holds a full staging buffer);
+#: ``"streamed"`` hands them over group by group in reverse order inside
+#: ``opt.gathered(group)`` / ``opt.gradients(group)``, as a backward pass does.
+MODES: dict[str, tuple[int, str]] = {
+    "stage0": (0, "grads"),
+    "stage1": (1, "grads"),
+    "stage2": (2, "grads"),
+    "stage2-streamed": (2, "streamed"),
+    "stage3": (3, "streamed"),
 }
 
 
@@ -137,6 +161,49 @@ def add_grads(opt: ZeroOptimizer, grads: Mapping[str, np.ndarray]) -> None:
         opt.grads[name][...] += g
 
 
+def group_of(name: str) -> str:
+    """The documented default grouping: the prefix before the last dot."""
+    return name.rpartition(".")[0] or name
+
+
+def groups_of(names: Iterable[str]) -> list[str]:
+    """The groups of ``names``, in model order."""
+    return list(dict.fromkeys(group_of(n) for n in names))
+
+
+def backward(
+    opt: ZeroOptimizer,
+    grads: Mapping[str, np.ndarray],
+    api: str,
+    seen: dict[str, np.ndarray] | None = None,
+) -> None:
+    """Hand one micro-batch's gradients over with ``api`` (see ``MODES``). The
+    streamed hand-over goes group by group in reverse order, each inside
+    ``opt.gathered`` (collective in stage 3) and ``opt.gradients``; ``seen`` collects
+    copies of the parameters gathered on the way."""
+    if api == "grads":
+        add_grads(opt, grads)
+        return
+    for group in reversed(groups_of(grads)):
+        with opt.gathered(group) as p, opt.gradients(group) as g:
+            if seen is not None:
+                seen.update({name: value.copy() for name, value in p.items()})
+            for name, view in g.items():
+                view[...] += grads[name]
+
+
+def current_params(opt: ZeroOptimizer) -> Mapping[str, np.ndarray]:
+    """The full parameters: the persistent views in stages 0-2, a collective copy in 3."""
+    return opt.full_params() if opt.stage == 3 else opt.params
+
+
+def paired_cases(table: Iterable[tuple], ids: Callable[..., str]) -> tuple[list, list[str]]:
+    """``table``'s rows, each prefixed with one communicator of the ``comm`` fixture
+    (cycling through all four), and their ids: for ``indirect=["comm"]``."""
+    rows = [(COMMS[i % len(COMMS)], *row) for i, row in enumerate(table)]
+    return rows, [f"{row[0]}-{ids(*row[1:])}" for row in rows]
+
+
 # -- comparisons (local; the verdict is agreed on by the caller) --------------------------
 
 
@@ -161,16 +228,17 @@ def mismatches(
 ) -> list[str]:
     """Params (and, if ``state``, the gathered Adam moments) vs the reference, and
     whether every rank of the communicator holds the same parameters. Collective on
-    the optimizer's communicator."""
+    the optimizer's communicator in stage 3, or if ``state``."""
     problems = []
+    params = current_params(opt)
     for name, want in ref.params.items():
-        problems += compare(opt.params[name], want, exact, f"{what} param {name!r}")
+        problems += compare(params[name], want, exact, f"{what} param {name!r}")
     if state:
         moments = opt.gather_state()
         for key, ref_moments in (("exp_avg", ref.exp_avg), ("exp_avg_sq", ref.exp_avg_sq)):
             for name, want in ref_moments.items():
                 problems += compare(moments[key][name], want, exact, f"{what} {key}[{name!r}]")
-        blob = b"".join(np.ascontiguousarray(p).tobytes() for p in opt.params.values())
+        blob = b"".join(np.ascontiguousarray(p).tobytes() for p in params.values())
         if any(b != blob for b in opt.comm.allgather(blob)):
             problems.append(f"{what}: ranks of the communicator hold different parameters")
     return problems
@@ -189,128 +257,160 @@ def train(
     steps: int,
     exact_grads: bool = True,
     check_state: Callable[[int], bool] = lambda step: False,
+    api: str = "grads",
 ) -> list[str]:
-    """``steps`` steps of the optimizer and the reference on the same gradients;
-    params compared after every step, Adam moments where ``check_state(step)`` and
-    after the last step."""
+    """``steps`` steps of the optimizer and the reference on the same gradients,
+    handed over with ``api``; params compared after every step (stage 3: as the next
+    backward pass gathers them, and after the last step), Adam moments where
+    ``check_state(step)`` and after the last step."""
     comm = opt.comm
+    exact = comm.size == 1
     problems = []
     for step in range(steps):
-        add_grads(opt, rank_grads(spec, step, comm.rank, exact_grads))
+        seen: dict[str, np.ndarray] | None = {} if opt.stage == 3 else None
+        backward(opt, rank_grads(spec, step, comm.rank, exact_grads), api, seen)
+        if seen is not None:  # what the backward pass used: the params after the last step
+            for name, want in ref.params.items():
+                got = seen.get(name)
+                if got is None:
+                    problems.append(f"step {step}: {name!r} was not gathered")
+                else:
+                    problems += compare(got, want, exact, f"before step {step}: {name!r}")
         opt.step()
         ref.step(mean_grads(spec, step, comm.size, exact_grads))
         state = check_state(step) or step == steps - 1
-        problems += mismatches(opt, ref, comm.size == 1, f"step {step}", state)
+        if opt.stage < 3 or state:
+            problems += mismatches(opt, ref, exact, f"step {step}", state)
     return problems
 
 
 # -- 1. sharded Adam / AdamW vs the reference ---------------------------------------------
 
 BUCKET_CYCLE = [1, 5, 7, 64, None]  # None: the default bucket size
-REFERENCE_CASES = [
-    (variant, stage, dtype, BUCKET_CYCLE[i % len(BUCKET_CYCLE)])
-    for i, (stage, dtype, variant) in enumerate(itertools.product([1, 2], [F32, F64], VARIANTS))
-]
+REFERENCE_CASES, REFERENCE_IDS = paired_cases(
+    (
+        (variant, mode, dtype, BUCKET_CYCLE[i % len(BUCKET_CYCLE)])
+        for i, (mode, dtype, variant) in enumerate(itertools.product(MODES, [F32, F64], VARIANTS))
+    ),
+    lambda v, m, d, b: f"{v}-{m}-{d.name}-bucket{b}",
+)
 
 
 @pytest.mark.parametrize(
-    ("variant", "stage", "dtype", "bucket_elems"),
+    ("comm", "variant", "mode", "dtype", "bucket_elems"),
     REFERENCE_CASES,
-    ids=[f"{v}-stage{s}-{d.name}-bucket{b}" for v, s, d, b in REFERENCE_CASES],
+    ids=REFERENCE_IDS,
+    indirect=["comm"],
 )
 def test_matches_reference_over_steps(
-    comm: MPI.Intracomm, variant: str, stage: int, dtype: np.dtype, bucket_elems: int | None
+    comm: MPI.Intracomm, variant: str, mode: str, dtype: np.dtype, bucket_elems: int | None
 ) -> None:
-    """Six steps of Adam / AdamW / Adam+L2: params after every step, Adam moments
-    after the first and the last. Every bucket size meets both stages and dtypes."""
+    """Four steps of Adam / AdamW / Adam+L2: params after every step, Adam moments
+    after the first and the last. Every mode meets every variant, both dtypes, every
+    bucket size and every communicator."""
+    stage, api = MODES[mode]
     hyper = VARIANTS[variant]
     spec = spec_of(SHAPES, dtype)
     params = make_params(spec)
     extra = {} if bucket_elems is None else {"bucket_elems": bucket_elems}
     opt = ZeroOptimizer(params, comm=comm, stage=stage, **hyper, **extra)
     ref = ReferenceAdam(params, **hyper)
-    verdict(train(opt, ref, spec, 6, check_state=lambda step: step == 0))
+    verdict(train(opt, ref, spec, 4, check_state=lambda step: step == 0, api=api))
 
 
-@pytest.mark.parametrize("dtype", [F32, F64], ids=["float32", "float64"])
-@pytest.mark.parametrize("stage", [1, 2])
-def test_matches_reference_with_random_gradients(
-    comm: MPI.Intracomm, stage: int, dtype: np.dtype
-) -> None:
-    """Generic gradients: the rank sum is not exact, only within tolerance."""
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_reference_with_random_gradients(comm: MPI.Intracomm, mode: str) -> None:
+    """Generic gradients: the rank sum is not exact, only within tolerance. The dtype
+    alternates with the mode."""
+    stage, api = MODES[mode]
+    dtype = [F32, F64][list(MODES).index(mode) % 2]
     hyper = VARIANTS["adamw"]
     spec = spec_of(SHAPES, dtype)
     params = make_params(spec, seed=1)
     opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=7, **hyper)
     ref = ReferenceAdam(params, **hyper)
-    verdict(train(opt, ref, spec, 3, exact_grads=False))
+    verdict(train(opt, ref, spec, 3, exact_grads=False, api=api), dtype.name)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_mixed_float32_and_float64_params(comm: MPI.Intracomm, stage: int) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_mixed_float32_and_float64_params(comm: MPI.Intracomm, mode: str) -> None:
+    stage, api = MODES[mode]
     params = make_params(MIXED, seed=2)
     hyper = VARIANTS["adam_l2"]
     opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=4, **hyper)
     ref = ReferenceAdam(params, **hyper)
-    problems = [
-        f"{n} has dtype {opt.params[n].dtype} / {opt.grads[n].dtype}, want {d}"
-        for n, (_, d) in MIXED.items()
-        if opt.params[n].dtype != d or opt.grads[n].dtype != d
-    ]
-    verdict(problems + train(opt, ref, MIXED, 3))
+    problems = []
+    for name, (_, dtype) in MIXED.items():
+        with opt.gathered(name) as p, opt.gradients(name) as g:
+            arrays = [p[name], g[name], *([opt.grads[name]] if api == "grads" else [])]
+            if any(a.dtype != dtype for a in arrays):
+                problems.append(f"{name} has dtypes {[a.dtype for a in arrays]}, want {dtype}")
+    opt.zero_grad()  # the hand-over above was empty; start the real steps afresh
+    verdict(problems + train(opt, ref, MIXED, 3, api=api))
 
 
 shape_st = st.lists(st.integers(min_value=1, max_value=6), min_size=0, max_size=2).map(tuple)
 
 
 @pytest.mark.parametrize("comm", ["world", "split"], indirect=True)
-@settings(max_examples=25)
+@settings(max_examples=15)
 @given(
     shapes=st.lists(st.tuples(shape_st, st.sampled_from([F32, F64])), min_size=1, max_size=4),
-    stage=st.sampled_from([1, 2]),
+    mode=st.sampled_from(list(MODES)),
     variant=st.sampled_from(list(VARIANTS)),
     bucket_elems=st.integers(min_value=1, max_value=40),
+    grouped=st.booleans(),
 )
 def test_matches_reference_for_any_layout(
     comm: MPI.Intracomm,
     shapes: list[tuple[tuple[int, ...], np.dtype]],
-    stage: int,
+    mode: str,
     variant: str,
     bucket_elems: int,
+    grouped: bool,
 ) -> None:
-    """Any small model, any bucket size. The drawn values never depend on the rank, so
-    every rank runs the same examples. (Two communicators: this is the slowest test.)"""
-    spec = {f"p{i}": sd for i, sd in enumerate(shapes)}
+    """Any small model, any bucket size, any mode; if ``grouped``, consecutive
+    parameters of one dtype pair up into groups. The drawn values never depend on the
+    rank, so every rank runs the same examples. (Two communicators: this is the
+    slowest test.)"""
+    spec: Spec = {}
+    for i, (shape, dtype) in enumerate(shapes):
+        same = i > 0 and shapes[i - 1][1] == dtype and i % 2
+        spec[f"g{i - 1 if grouped and same else i}.p{i}"] = (shape, dtype)
     params = make_params(spec, seed=len(shapes))
+    stage, api = MODES[mode]
     hyper = VARIANTS[variant]
     opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems, **hyper)
     ref = ReferenceAdam(params, **hyper)
-    verdict(train(opt, ref, spec, 2), f"{spec} stage={stage} bucket_elems={bucket_elems}")
+    verdict(train(opt, ref, spec, 2, api=api), f"{spec} {mode} bucket_elems={bucket_elems}")
 
 
 # -- 2. gradient accumulation -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n_micro", [1, 2, 3])
-@pytest.mark.parametrize("stage", [1, 2])
-def test_gradient_accumulation(comm: MPI.Intracomm, stage: int, n_micro: int) -> None:
+@pytest.mark.parametrize("n_micro", [1, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_accumulation(comm: MPI.Intracomm, mode: str, n_micro: int) -> None:
     """``accumulate()`` after each micro-batch: the step uses the average over
-    micro-batches of the mean over ranks (the reference's ``average``)."""
+    micro-batches of the mean over ranks (the reference's ``average``). Streamed,
+    every micro-batch reduce-scatters each bucket into the accumulated shard."""
+    stage, api = MODES[mode]
     spec = spec_of(SHAPES, F32)
     params = make_params(spec, seed=3)
     hyper = VARIANTS["adamw"]
     opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=5, **hyper)
     ref = ReferenceAdam(params, **hyper)
     problems = []
-    for step in range(3):
+    for step in range(2):
         micro_means = []
         for k in range(n_micro):
-            add_grads(opt, rank_grads(spec, 10 * step + k, comm.rank))
+            backward(opt, rank_grads(spec, 10 * step + k, comm.rank), api)
             opt.accumulate()
             micro_means.append(mean_grads(spec, 10 * step + k, comm.size))
         opt.step()
         ref.step({name: average([m[name] for m in micro_means]) for name in spec})
-        problems += mismatches(opt, ref, comm.size == 1, f"step {step}", state=step == 2)
+        if stage < 3 or step == 1:
+            problems += mismatches(opt, ref, comm.size == 1, f"step {step}", state=step == 1)
     verdict(problems)
 
 
@@ -531,107 +631,167 @@ def test_initial_params_are_broadcast_from_rank_0(comm: MPI.Intracomm) -> None:
 # -- 4. memory_usage ----------------------------------------------------------------------
 
 
+def bucket_members(spec: Spec, bucket_elems: int, stage: int) -> dict[np.dtype, list[list[str]]]:
+    """Parameter names per bucket, per dtype, from the documented layout and without
+    the engine's Layout: per dtype, runs of consecutive parameters of one group are
+    units that are never split; stage 3 gives each unit a bucket of its own, stages
+    0-2 pack consecutive units greedily up to ``bucket_elems`` (a larger unit alone)."""
+    size_of = {n: int(np.prod(s, dtype=np.int64)) for n, (s, _) in spec.items()}
+    out: dict[np.dtype, list[list[str]]] = {}
+    for dtype in dict.fromkeys(d for _, d in spec.values()):
+        units: list[list[str]] = []
+        for name, (_, d) in spec.items():
+            if d == dtype:
+                if units and group_of(units[-1][-1]) == group_of(name):
+                    units[-1].append(name)
+                else:
+                    units.append([name])
+        buckets: list[list[str]] = []
+        for unit in units:
+            current = sum(size_of[n] for n in buckets[-1]) if buckets else 0
+            if not buckets or stage == 3 or current + sum(size_of[n] for n in unit) > bucket_elems:
+                buckets.append([])
+            buckets[-1].extend(unit)
+        out[dtype] = buckets
+    return out
+
+
+def bucket_sizes(spec: Spec, bucket_elems: int, stage: int) -> dict[np.dtype, list[int]]:
+    """Elements per bucket, per dtype (see :func:`bucket_members`)."""
+    size_of = {n: int(np.prod(s, dtype=np.int64)) for n, (s, _) in spec.items()}
+    members = bucket_members(spec, bucket_elems, stage)
+    return {d: [sum(size_of[n] for n in b) for b in bs] for d, bs in members.items()}
+
+
 def expected_usage(
-    spec: Spec, size: int, rank: int, bucket_elems: int, stage: int
+    spec: Spec, size: int, rank: int, bucket_elems: int, stage: int, full_grads: bool = False
 ) -> tuple[dict[str, int], int]:
-    """Bytes per category from the documented layout, computed without the engine's
-    Layout: per dtype, greedy buckets of whole params, each sharded by shard_counts.
-    Also returns an upper bound for the Adam kernel's scratch."""
+    """Bytes per category: parameters full (stage 3: the shard), gradients full
+    (stages 2-3: the shard), Adam moments the shard (stage 0: full), one staging
+    bucket of the largest bucket's size in stages 2-3 and one gather bucket in stage
+    3, per dtype; ``full_grads``: the full staging buffer stage 2 allocates for
+    ``opt.grads``. Also returns an upper bound for the Adam kernel's scratch."""
     usage = dict.fromkeys(CATEGORIES, 0)
     scratch_bound = 0
-    for dtype in dict.fromkeys(d for _, d in spec.values()):
-        sizes = [int(np.prod(s, dtype=np.int64)) for s, d in spec.values() if d == dtype]
-        buckets, current, members = [], 0, 0
-        for n in sizes:
-            if members and current + n > bucket_elems:
-                buckets.append(current)
-                current, members = 0, 0
-            current += n
-            members += 1
-        buckets.append(current)
-        full = sum(sizes) * dtype.itemsize
-        shard = sum(shard_counts(b, size)[0][rank] for b in buckets) * dtype.itemsize
-        usage["parameter_partitions"] += full
-        usage["optimizer_states"] += 2 * shard  # exp_avg and exp_avg_sq, sharded
-        if stage == 1:
-            usage["gradient_partitions"] += full
-        else:
-            usage["gradient_partitions"] += shard
-            usage["communication_buffers"] += full  # where the backward adds gradients
-        scratch_bound += min(BLOCK * dtype.itemsize, max(shard, dtype.itemsize))
+    for dtype, buckets in bucket_sizes(spec, bucket_elems, stage).items():
+        item = dtype.itemsize
+        full = sum(buckets) * item
+        shard = sum(shard_counts(b, size)[0][rank] for b in buckets) * item
+        biggest = max(buckets) * item
+        usage["parameter_partitions"] += shard if stage == 3 else full
+        usage["gradient_partitions"] += full if stage <= 1 else shard
+        usage["optimizer_states"] += 2 * (full if stage == 0 else shard)
+        usage["communication_buffers"] += {0: 0, 1: 0, 2: biggest, 3: 2 * biggest}[stage]
+        if full_grads:
+            usage["communication_buffers"] += full
+        scratch_bound += min(BLOCK * item, max(full if stage == 0 else shard, item))
     return usage, scratch_bound
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_memory_usage_is_exact(comm: MPI.Intracomm, stage: int) -> None:
+def usage_problems(usage: dict[str, int], want: dict[str, int], bound: int) -> list[str]:
+    problems = []
+    if set(usage) != set(CATEGORIES) or not all(type(v) is int for v in usage.values()):
+        problems.append(f"categories {usage}")
+    for cat, value in want.items():
+        if cat != "scratch" and usage.get(cat) != value:
+            problems.append(f"{cat} {usage.get(cat)} bytes, want {value}")
+    if not 0 < usage.get("scratch", 0) <= bound:
+        problems.append(f"scratch {usage.get('scratch')}, want in (0, {bound}]")
+    return problems
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_usage_is_exact(comm: MPI.Intracomm, mode: str) -> None:
+    """``memory_usage()`` equals the documented layout to the byte, before and after
+    training; summed over ranks, what a stage shards is stored exactly once (no
+    duplication, no padding). Stage 2 holds a full staging buffer only once
+    ``opt.grads`` has been used."""
+    stage, api = MODES[mode]
     spec = {**MIXED, "big": ((37, 3), F32)}
     params = make_params(spec)
     total = sum(p.nbytes for p in params.values())
+    copies = {  # how many times the world stores each category
+        "optimizer_states": 2 * (comm.size if stage == 0 else 1),
+        "gradient_partitions": comm.size if stage <= 1 else 1,
+        "parameter_partitions": comm.size if stage <= 2 else 1,
+    }
     problems = []
     for bucket_elems in (1, 7, 1 << 22):
         what = f"bucket_elems={bucket_elems}"
         opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems)
-        want, scratch_bound = expected_usage(spec, comm.size, comm.rank, bucket_elems, stage)
+        want, bound = expected_usage(spec, comm.size, comm.rank, bucket_elems, stage)
         usage = opt.memory_usage()
-        if set(usage) != set(CATEGORIES) or not all(type(v) is int for v in usage.values()):
-            problems.append(f"{what}: categories {usage}")
-        for cat, value in want.items():
-            if cat != "scratch" and usage.get(cat) != value:
-                problems.append(f"{what}: {cat} {usage.get(cat)} bytes, want {value}")
-        if not 0 < usage.get("scratch", 0) <= scratch_bound:
-            problems.append(f"{what}: scratch {usage.get('scratch')}, want in (0, {scratch_bound}]")
-        # Over all ranks the moments are stored exactly once: no duplication, no padding.
-        states, grads = comm.allreduce(
-            np.array([usage.get("optimizer_states", 0), usage.get("gradient_partitions", 0)])
-        )
-        if states != 2 * total:
-            problems.append(
-                f"{what}: optimizer_states sum to {states} over ranks, want {2 * total}"
-            )
-        if stage == 2 and grads != total:
-            problems.append(f"{what}: gradient shards sum to {grads} over ranks, want {total}")
-        # Training allocates nothing further.
-        for step in range(2):
-            add_grads(opt, rank_grads(spec, step, comm.rank))
-            opt.accumulate()
-            opt.step()
-        if opt.memory_usage() != usage:
-            problems.append(f"{what}: usage changed in training: {opt.memory_usage()} vs {usage}")
-    verdict(problems, f"stage {stage}")
+        problems += [f"{what}: {p}" for p in usage_problems(usage, want, bound)]
+        sums = comm.allreduce(np.array([usage.get(cat, 0) for cat in copies]))
+        for (cat, n), got in zip(copies.items(), sums, strict=True):
+            if got != n * total:
+                problems.append(f"{what}: {cat} sum to {got} over ranks, want {n} x {total}")
+        # Training allocates nothing further, except stage 2's full gradient for opt.grads.
+        backward(opt, rank_grads(spec, 0, comm.rank), api)
+        opt.accumulate()
+        opt.step()
+        full_grads = stage == 2 and api == "grads"
+        want, bound = expected_usage(spec, comm.size, comm.rank, bucket_elems, stage, full_grads)
+        after = opt.memory_usage()
+        problems += [f"{what} after training: {p}" for p in usage_problems(after, want, bound)]
+        if full_grads:
+            buffers = opt.memory_buffers()
+            for dtype in (F32, F64):
+                name = f"grads_full.{dtype.name}"
+                size = sum(p.nbytes for p in params.values() if p.dtype == dtype)
+                if buffers.get(name) != size:
+                    problems.append(f"{what}: buffer {name} {buffers.get(name)}, want {size}")
+        elif after != usage:
+            problems.append(f"{what}: usage changed in training: {after} vs {usage}")
+    verdict(problems, mode)
 
 
-# -- 5. step() allocates nothing model-sized ----------------------------------------------
+# -- 5. training allocates nothing model-sized --------------------------------------------
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_step_allocates_nothing_the_size_of_the_model(comm: MPI.Intracomm, stage: int) -> None:
-    """numpy reports its allocations to tracemalloc: the peak during a step (after a
-    warm-up) must be far below the model's size. Memory, not time."""
+def forward(opt: ZeroOptimizer, names: Iterable[str]) -> None:
+    """A forward pass's use of the parameters: each group gathered in turn."""
+    for group in groups_of(names):
+        with opt.gathered(group):
+            pass
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_training_allocates_nothing_the_size_of_the_model(comm: MPI.Intracomm, mode: str) -> None:
+    """numpy reports its allocations to tracemalloc: the peak during a whole forward
+    pass, backward pass and step (after a warm-up) must be far below the model's
+    size. In stages 2-3 that covers the streamed hand-over (each bucket
+    reduce-scattered through the staging buffer) and stage 3's gathers. Memory, not
+    time."""
+    stage, api = MODES[mode]
     spec: Spec = {
-        "w": ((400, 300), F32),
-        "b": ((300,), F32),
-        "v": ((70_000,), F32),
-        "d": ((10_000,), F64),
+        "l1.w": ((200, 150), F32),
+        "l1.b": ((150,), F32),
+        "v": ((17_500,), F32),
+        "d": ((2_500,), F64),
         "s": ((), F32),
     }
     params = make_params(spec)
     model_bytes = sum(p.nbytes for p in params.values())
-    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=50_000)
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=12_500)
+    grads = [rank_grads(spec, step, comm.rank, exact=False) for step in range(3)]
     peaks = []
-    for step in range(3):
-        add_grads(opt, rank_grads(spec, step, comm.rank, exact=False))
-        if step == 0:
-            opt.step()  # warm-up
-            continue
-        tracemalloc.start()
+    for step in range(3):  # step 0 warms up (stage 2 allocates its full grads for opt.grads)
+        tracing = step > 0
+        if tracing:
+            tracemalloc.start()
         try:
-            tracemalloc.reset_peak()
+            if api == "streamed":
+                forward(opt, spec)
+            backward(opt, grads[step], api)
             if step == 2:
-                opt.accumulate()  # stage 2 reduce-scatters here
+                opt.accumulate()  # stages 2-3: the reduce-scatters happen here or before
             opt.step()
-            peaks.append(tracemalloc.get_traced_memory()[1])
+            if tracing:
+                peaks.append(tracemalloc.get_traced_memory()[1])
         finally:
-            tracemalloc.stop()
+            if tracing:
+                tracemalloc.stop()
     # Control: the tracer does see a model-sized numpy allocation.
     tracemalloc.start()
     try:
@@ -641,7 +801,7 @@ def test_step_allocates_nothing_the_size_of_the_model(comm: MPI.Intracomm, stage
         tracemalloc.stop()
     assert_all(
         control >= model_bytes // 2 and max(peaks) < model_bytes / 10,
-        f"peak traced allocation during step(): {peaks} bytes, model {model_bytes} bytes "
+        f"peak traced allocation in training: {peaks} bytes, model {model_bytes} bytes "
         f"(control allocation traced as {control} bytes)",
     )
 
@@ -670,8 +830,8 @@ BAD_PARAMS: list[tuple[str, Callable[[], object], type[Exception], str]] = [
     ("int dtype", lambda: {"w": np.arange(6)}, TypeError, "parameter 'w' has dtype int64"),
     ("float16", lambda: {"h": np.zeros(3, np.float16)}, TypeError, "'h' has dtype float16"),
     ("complex", lambda: {"c": np.zeros(3, np.complex128)}, TypeError, "has dtype complex128"),
-    ("list", lambda: {"w": [1.0, 2.0]}, TypeError, "parameter 'w' must be a numpy array, got list"),
-    ("int", lambda: {"w": 3}, TypeError, "parameter 'w' must be a numpy array, got int"),
+    ("list", lambda: {"w": [1.0, 2.0]}, TypeError, "or zerompi.Deferred, got list [1.0, 2.0]"),
+    ("int", lambda: {"w": 3}, TypeError, "parameter 'w' must be a numpy array or zerompi.Def"),
     ("np scalar", lambda: {"w": np.float32(1)}, TypeError, "'w' must be a numpy array"),
     ("empty mapping", dict, ValueError, "params is empty"),
     (
@@ -696,11 +856,13 @@ BAD_PARAMS: list[tuple[str, Callable[[], object], type[Exception], str]] = [
 ]
 
 BAD_SETTINGS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
-    ("stage 0", {"stage": 0}, ValueError, "stage must be one of (1, 2), got 0"),
-    ("stage 3", {"stage": 3}, ValueError, "stage must be one of (1, 2), got 3"),
-    ("stage '2'", {"stage": "2"}, ValueError, "stage must be one of (1, 2), got '2'"),
-    ("stage True", {"stage": True}, ValueError, "stage must be one of (1, 2), got True"),
-    ("stage None", {"stage": None}, ValueError, "stage must be one of (1, 2), got None"),
+    ("stage 4", {"stage": 4}, ValueError, "stage must be one of (0, 1, 2, 3), got 4"),
+    ("stage -1", {"stage": -1}, ValueError, "stage must be one of (0, 1, 2, 3), got -1"),
+    ("stage '2'", {"stage": "2"}, ValueError, "stage must be one of (0, 1, 2, 3), got '2'"),
+    ("stage True", {"stage": True}, ValueError, "stage must be one of (0, 1, 2, 3), got True"),
+    ("stage False", {"stage": False}, ValueError, "stage must be one of (0, 1, 2, 3), got False"),
+    ("stage 2.0", {"stage": 2.0}, ValueError, "stage must be one of (0, 1, 2, 3), got 2.0"),
+    ("stage None", {"stage": None}, ValueError, "stage must be one of (0, 1, 2, 3), got None"),
     ("lr 0", {"lr": 0.0}, ValueError, "lr must be > 0, got 0.0"),
     ("lr < 0", {"lr": -1e-3}, ValueError, "lr must be > 0, got -0.001"),
     ("lr nan", {"lr": float("nan")}, ValueError, "lr must be finite, got nan"),
@@ -745,9 +907,7 @@ def test_rejects_bad_input_on_every_rank() -> None:
     for name, fn, exc_type, match in cases:
         exc, wrong = raises(exc_type, match, fn, name)
         problems += wrong
-        suffix = (
-            f"(on all {world.size} ranks)" if world.size > 1 else "(on rank 0 of 1)"
-        )
+        suffix = f"(on all {world.size} ranks)" if world.size > 1 else "(on rank 0 of 1)"
         if exc is not None and not str(exc).endswith(suffix):
             problems.append(f"{name}: {exc!s} does not end with {suffix}")
         if exc is not None and exc_type is TypeError and type(exc) is not TypeError:
@@ -775,8 +935,8 @@ def rename(p: dict[str, np.ndarray], old: str, new: str) -> dict[str, np.ndarray
     return {(new if n == old else n): v for n, v in p.items()}
 
 
-LAYOUT = "the parameter layout (name, shape, dtype) differs between ranks"
-SETTINGS = "the optimizer settings (stage, hyperparameters) differs between ranks"
+LAYOUT = "the parameter layout (name, shape, dtype, group) differs between ranks"
+SETTINGS = "the optimizer settings (stage, hyperparameters, bucket_elems) differs between ranks"
 
 #: (id, the rank that differs, its params, its settings, the message, what it names)
 ODD_LAYOUTS: list[tuple[str, str, Callable[[], dict], dict[str, Any], str, str]] = [
@@ -811,6 +971,17 @@ ODD_LAYOUTS: list[tuple[str, str, Callable[[], dict], dict[str, Any], str, str]]
     ("lr", "last", good_params, {"lr": 2e-3}, SETTINGS, "lr=0.002"),
     ("stage", "last", good_params, {"stage": 2}, SETTINGS, "item 0 is 1 on rank 0 but 2"),
     ("stage rank0", "first", good_params, {"stage": 2}, SETTINGS, "item 0 is 2 on rank 0 but 1"),
+    ("stage 0", "last", good_params, {"stage": 0}, SETTINGS, "item 0 is 1 on rank 0 but 0"),
+    ("stage 3", "last", good_params, {"stage": 3}, SETTINGS, "item 0 is 1 on rank 0 but 3"),
+    ("stage 3 rank0", "first", good_params, {"stage": 3}, SETTINGS, "is 3 on rank 0 but 1"),
+    (
+        "group",
+        "last",
+        good_params,
+        {"group_of": lambda name: "all"},
+        LAYOUT,
+        "('w', (6, 4), '<f4', 'all')",
+    ),
     ("betas", "last", good_params, {"betas": (0.8, 0.999)}, SETTINGS, "beta1=0.8"),
     ("weight decay", "last", good_params, {"weight_decay": 0.01}, SETTINGS, "weight_decay=0.01"),
     (
@@ -871,8 +1042,10 @@ ODD_LOCAL_ERRORS: list[LocalCase] = [
     ("lr last", "last", good_params, {"lr": -1.0}, ValueError, "lr must be > 0, got -1.0"),
     ("betas rank0", "first", good_params, {"betas": (1.0, 0.999)}, ValueError,
      "beta1 must be in [0, 1), got 1.0"),
-    ("stage rank0", "first", good_params, {"stage": 3}, ValueError,
-     "stage must be one of (1, 2), got 3"),
+    ("stage rank0", "first", good_params, {"stage": 4}, ValueError,
+     "stage must be one of (0, 1, 2, 3), got 4"),
+    ("stage last", "last", good_params, {"stage": 2.0}, ValueError,
+     "stage must be one of (0, 1, 2, 3), got 2.0"),
     ("bucket last", "last", good_params, {"bucket_elems": 0}, ValueError, "got 0"),
     # float(10**400) overflows: an error outside TypeError/ValueError must not hang either.
     ("huge lr last", "last", good_params, {"lr": 10**400}, ValueError, "lr must be finite"),
@@ -892,9 +1065,7 @@ def test_local_error_on_one_rank_raises_everywhere(comm: MPI.Intracomm) -> None:
         )
         exc, wrong = raises(exc_type, match, build, name)
         problems += wrong
-        where = (
-            f"(on rank {odd_rank} of {comm.size})"
-        )
+        where = f"(on rank {odd_rank} of {comm.size})"
         if exc is not None and not str(exc).endswith(where):
             problems.append(f"{name}: {exc!s} does not end with {where}")
         if exc is not None and exc_type is TypeError and type(exc) is not TypeError:
