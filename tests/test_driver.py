@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +24,59 @@ ROOT = Path(__file__).parent.parent
 def run_driver(ranks: int, tmp_path: Path, *args: str) -> tuple[dict, str]:
     out = tmp_path / f"driver-{ranks}.json"
     cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "zerompi.driver"]
-    cmd += ["--json", str(out), *args]
+    # One BLAS thread: at one rank OpenBLAS would otherwise spin a thread per core,
+    # which on a busy (CI, shared) machine makes the tiny matmuls ~50x slower.
+    cmd += ["--json", str(out), "--blas-threads", "1", *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     return json.loads(out.read_text()), text
 
 
+def expected_comm(r: dict) -> dict[str, float]:
+    """Textbook bytes a rank sends per step and collective, mean over ranks: every
+    reduce-scatter or allgather of the P parameters sends P * itemsize * (W-1) / W.
+    Stages 2-3 reduce-scatter (and stage 3 gathers, in forward and backward) once per
+    micro-batch; an allreduce is a reduce-scatter plus an allgather."""
+    itemsize = 4 if r["dtype"] == "float32" else 8
+    world, n = r["world_size"], r["micro_batches"]
+    one = r["params"] * itemsize * (world - 1)  # / world, last, as the driver does
+    times = {
+        0: {"allreduce": 2},
+        1: {"reduce_scatter": 1, "allgather": 1},
+        2: {"reduce_scatter": n, "allgather": 1},
+        3: {"reduce_scatter": n, "allgather": 2 * n},
+    }[r["stage"]]
+    return {op: times.get(op, 0) * one / world for op in r["comm_bytes"]}
+
+
+def check_comm(r: dict) -> None:
+    """``comm_bytes`` is the textbook volume: exactly in stages 1-3 (exact counts, no
+    padding), and within a byte per bucket in stage 0 (the counter rounds the
+    allreduce down). The theory field counts one micro-batch."""
+    k = 3 if r["stage"] == 3 else 2
+    one = r["params"] * (4 if r["dtype"] == "float32" else 8) * (r["world_size"] - 1)
+    assert r["comm_bytes_theory"] == k * one / r["world_size"]
+    expected = expected_comm(r)
+    assert set(r["comm_bytes"]) == set(r["comm_bytes_max"]) == set(expected)
+    for op, value in r["comm_bytes"].items():
+        slack = r["buckets"] if r["stage"] == 0 else 0
+        assert abs(value - expected[op]) <= slack, (op, value, expected[op])
+        assert r["comm_bytes_max"][op] >= value
+    if r["micro_batches"] == 1:
+        total = sum(r["comm_bytes"].values())
+        assert abs(total - r["comm_bytes_theory"]) <= (r["buckets"] if r["stage"] == 0 else 0)
+
+
 @pytest.mark.mpi_skip
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-def test_default_run_trains_and_matches_the_reference(ranks: int, tmp_path: Path) -> None:
-    result, text = run_driver(ranks, tmp_path, "--verify", "--steps", "60")
-    assert result["world_size"] == ranks and result["stage"] == 2
+def test_default_run_trains_and_matches_the_reference(
+    ranks: int, stage: int, tmp_path: Path
+) -> None:
+    args = ("--verify", "--steps", "60") + (("--stage", "3") if stage == 3 else ())
+    result, text = run_driver(ranks, tmp_path, *args)
+    assert result["world_size"] == ranks and result["stage"] == stage
     assert result["params"] == mlp.count_params(result["layer_sizes"])
     assert result["loss_last"] < 0.6 * result["loss_first"], result["losses"]
     assert len(result["losses"]) == result["steps"] == 60
@@ -44,15 +86,29 @@ def test_default_run_trains_and_matches_the_reference(ranks: int, tmp_path: Path
     for key in ("step_ms", "train_step_ms"):
         assert result[key] > 0
     assert set(result["phase_ms"]) == {"reduce_scatter", "adam", "allgather"}
+    check_comm(result)
+    assert 0 < result["rss_floor_bytes"] <= result["rss_peak_bytes"]
     memory = result["memory_bytes"]
     assert set(memory) >= {
         "optimizer_states", "gradient_partitions", "parameter_partitions",
         "communication_buffers",
     }
-    itemsize = 4
-    shard = -(-result["params"] // ranks)  # bucket shards sum to at most ceil(P/W) + buckets
-    assert memory["parameter_partitions"] == result["params"] * itemsize
-    assert memory["optimizer_states"] <= 2 * itemsize * (shard + result["buckets"])
+    itemsize, params, buckets = 4, result["params"], result["buckets"]
+    shard = -(-params // ranks)  # bucket shards sum to at most ceil(P/W) + buckets
+    widths = result["layer_sizes"]
+    largest_layer = max(a * b + b for a, b in pairwise(widths))
+    assert memory["optimizer_states"] <= 2 * itemsize * (shard + buckets)
+    assert memory["gradient_partitions"] <= itemsize * (shard + buckets)
+    buffers = result["memory_buffers"]
+    assert sum(buffers.values()) == sum(memory.values())  # rank 0 holds the largest of all
+    if stage == 2:
+        assert memory["parameter_partitions"] == params * itemsize
+        assert "param_bucket.float32" not in buffers
+    else:  # parameters as shards, one layer gathered at a time
+        assert memory["parameter_partitions"] <= itemsize * (shard + buckets)
+        assert buckets == len(result["layer_sizes"]) - 1
+        assert buffers["param_bucket.float32"] == largest_layer * itemsize
+        assert buffers["grad_bucket.float32"] == largest_layer * itemsize
     assert "step " in text and "loss" in text  # rank 0 prints progress
 
 
@@ -60,29 +116,49 @@ def test_default_run_trains_and_matches_the_reference(ranks: int, tmp_path: Path
 @pytest.mark.parametrize(
     "args",
     [
+        ("--stage", "0", "--micro-batches", "3", "--batch", "30"),
         ("--stage", "1"),
         ("--stage", "1", "--micro-batches", "3", "--batch", "30"),
         ("--stage", "2", "--micro-batches", "3", "--batch", "30", "--adamw",
          "--weight-decay", "0.1"),
+        ("--stage", "3", "--micro-batches", "3", "--batch", "30", "--adamw",
+         "--weight-decay", "0.1"),
         ("--batch", "3"),  # fewer rows than ranks: some ranks compute on nothing
+        ("--stage", "0", "--batch", "3"),
+        ("--stage", "3", "--batch", "3"),
         ("--dtype", "float64", "--bucket-elems", "1000", "--weight-decay", "0.01"),
+        ("--stage", "3", "--dtype", "float64", "--weight-decay", "0.01"),
     ],
-    ids=["stage1", "stage1-accum", "stage2-accum-adamw", "tiny-batch", "float64-buckets"],
+    ids=["stage0-accum", "stage1", "stage1-accum", "stage2-accum-adamw",
+         "stage3-accum-adamw", "tiny-batch", "stage0-tiny-batch", "stage3-tiny-batch",
+         "float64-buckets", "stage3-float64"],
 )
 def test_variants_match_the_reference_at_4_ranks(args: tuple[str, ...], tmp_path: Path) -> None:
     result, text = run_driver(4, tmp_path, "--verify", "--steps", "20", *args)
     tolerance = 1e-10 if "float64" in args else 1e-4
     assert result["max_rel_diff"] <= tolerance, text
+    check_comm(result)  # with micro-batches: stages 2-3 reduce-scatter n times
     if result["batch"] >= 30:  # a 3-row batch's loss is mostly noise
         assert result["loss_last"] < result["loss_first"], result["losses"]
 
 
 @pytest.mark.mpi_skip
-def test_stage_1_and_2_train_identically(tmp_path: Path) -> None:
-    one, _ = run_driver(3, tmp_path, "--stage", "1", "--steps", "15")
-    two, _ = run_driver(3, tmp_path, "--stage", "2", "--steps", "15")
-    assert one["losses"] == two["losses"]
-    assert one["memory_bytes"]["gradient_partitions"] > two["memory_bytes"]["gradient_partitions"]
+def test_stages_train_alike_and_send_the_textbook_bytes(tmp_path: Path) -> None:
+    runs = [run_driver(3, tmp_path, "--stage", str(s), "--steps", "15")[0] for s in range(4)]
+    for r in runs:
+        check_comm(r)
+    zero, one, two, three = runs
+    # Stages 1-3 reduce with the same Reduce_scatter calls: the same numbers. Stage 0's
+    # Allreduce may add in another order.
+    assert one["losses"] == two["losses"] == three["losses"]
+    np.testing.assert_allclose(zero["losses"], one["losses"], rtol=1e-5)
+    grads = [r["memory_bytes"]["gradient_partitions"] for r in runs]
+    params = [r["memory_bytes"]["parameter_partitions"] for r in runs]
+    states = [r["memory_bytes"]["optimizer_states"] for r in runs]
+    # Stage 3 cuts every layer into shards, 1-2 the whole model: a few elements apart.
+    assert states[0] == 2 * params[0] > states[1] == states[2] and states[0] > states[3]
+    assert grads[0] == grads[1] == params[0] > grads[2] and grads[1] > grads[3]
+    assert params[0] == params[1] == params[2] > params[3]
 
 
 @pytest.mark.mpi_skip
@@ -128,3 +204,32 @@ def test_batches_are_deterministic_and_rank_slices_partition_them() -> None:
     x3, _ = mlp.make_batch(7, 5, 1, 10, 6, 4)
     assert not np.array_equal(x1, x3)
     assert set(np.unique(y1)) <= set(range(4))
+
+
+def test_deferred_params_make_init_params_one_layer_at_a_time() -> None:
+    sizes = mlp.layer_sizes(6, 9, 2, 4)
+    for dtype in (np.float32, np.float64):
+        params = mlp.init_params(sizes, seed=5, dtype=dtype)
+        deferred = mlp.deferred_params(sizes, seed=5, dtype=dtype)
+        assert list(deferred) == list(params)
+        for name, d in reversed(deferred.items()):  # any order: a stream per layer
+            assert d.shape == params[name].shape and d.dtype == params[name].dtype
+            np.testing.assert_array_equal(d.init(), params[name])
+    deeper = mlp.init_params(mlp.layer_sizes(6, 9, 3, 4), seed=5)
+    shallow = mlp.init_params(sizes, seed=5)
+    np.testing.assert_array_equal(deeper["layer1.weight"], shallow["layer1.weight"])
+    assert mlp.layer_names(sizes) == ["layer0", "layer1", "layer2"]
+
+
+def test_layer_functions_handle_a_rank_without_rows() -> None:
+    sizes = mlp.layer_sizes(5, 7, 1, 3)
+    params = mlp.init_params(sizes, seed=1)
+    grads = {n: np.zeros_like(p) for n, p in params.items()}
+    h = mlp.layer_forward(params, 0, np.zeros((0, 5), np.float32), last=False)
+    logits = mlp.layer_forward(params, 1, h, last=True)
+    loss, delta = mlp.loss_grad(logits, np.zeros(0, int), 0.5)
+    assert loss == 0.0 and delta.shape == (0, 3)
+    back = mlp.layer_backward(params, grads, 1, h, delta, first=False)
+    assert back is not None and back.shape == (0, 7)
+    assert mlp.layer_backward(params, grads, 0, np.zeros((0, 5), np.float32), back, True) is None
+    assert all(not g.any() for g in grads.values())

@@ -2,13 +2,20 @@
 
 Run as ``mpiexec -n W python -m zerompi.driver [options]`` (``--help`` lists them).
 Every global batch is split into micro-batches with :func:`zerompi.shard_range`, and
-each micro-batch's rows are split over the ranks the same way; each rank adds the
-gradient of its rows into ``opt.grads``, scaled by ``W / rows`` so that the
-optimizer's division by ``W * micro_batches`` yields the mean gradient of every
-micro-batch, averaged over micro-batches. Rank 0 prints progress and a summary and,
+each micro-batch's rows are split over the ranks the same way. Every stage (0-3) runs
+the same code: the forward layer by layer inside ``opt.gathered(layer)``, the
+backward in reverse inside ``opt.gathered(layer)`` and ``opt.gradients(layer)``
+(stages 2-3 reduce-scatter a bucket as soon as its gradients are handed over), then
+``opt.accumulate()`` after each micro-batch and ``opt.step()``. A rank's gradient is
+that of its rows scaled by ``W / rows``, so that the optimizer's division by
+``W * micro_batches`` yields the mean gradient of every micro-batch, averaged over
+micro-batches. The model is built from :func:`zerompi.mlp.deferred_params`: rank 0
+makes the initial values one bucket at a time inside the optimizer, so no rank ever
+holds the whole initial model outside it. Rank 0 prints progress and a summary and,
 with ``--json``, writes the figures to a file.
 
-``--verify`` then retrains the same model unsharded in rank 0 alone, with
+``--verify`` then copies the parameters out with ``opt.full_params()`` (collective),
+retrains the same model unsharded in rank 0 alone, with
 :class:`zerompi.reference.ReferenceAdam` on the same batches, and compares the
 parameters: the exit status is 1 on every rank if they differ by more than a
 tolerance for the dtype.
@@ -33,14 +40,28 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+try:
+    import resource
+except ImportError:  # not a Unix: no getrusage, no RSS figures
+    resource = None  # type: ignore[assignment]
+
 from . import mlp
 from .comm import Comm, library_version
-from .engine import DEFAULT_BUCKET_ELEMS, PHASES, ZeroOptimizer
+from .engine import DEFAULT_BUCKET_ELEMS, PHASES, STAGES, ZeroOptimizer
 from .partition import shard_range
 from .reference import ReferenceAdam, average
 
 #: Largest accepted ``max_abs_diff / max|reference param|`` of ``--verify``.
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+
+#: The collectives whose traffic ``comm_bytes`` reports (``Comm.pop_traffic`` ops).
+COMM_OPS = ("reduce_scatter", "allgather", "allreduce")
+
+#: Per stage, how many times every parameter's bytes cross the network in one step
+#: without accumulation, times (W-1)/W: an allreduce (= reduce-scatter + allgather)
+#: or a reduce-scatter and an allgather; stage 3 gathers every layer twice (forward
+#: and backward).
+COMM_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -104,16 +125,25 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         prog="python -m zerompi.driver",
         rank=rank,
         description=(
-            "Train an MLP classifier (numpy, hand-written backward) with zerompi's sharded "
-            "Adam (ZeRO stage 1 or 2) on a synthetic, learnable task. Run it under "
-            "'mpiexec -n W'. Rank 0 prints the loss and the step time every --log-every "
-            "steps and a summary at the end."
+            "Train an MLP classifier (numpy, hand-written backward) with zerompi's "
+            "optimizer (plain data parallelism or ZeRO stage 1, 2 or 3) on a synthetic, "
+            "learnable task. Run it under 'mpiexec -n W'. Rank 0 prints the loss and the "
+            "step time every --log-every steps and a summary at the end."
         ),
         epilog=(
             "A run of >= 16 million parameters: --hidden 2048 --depth 4 --in-dim 2048 "
             "(16.8M; wide layers want a smaller rate, e.g. --lr 1e-4, and --dtype float32 "
             "halves the memory). Timings are the slowest rank's medians over the steps, "
-            "the first (warm-up) step excluded. --verify tolerates a relative difference of "
+            "the first (warm-up) step excluded; step_ms is accumulate() + step() only, while "
+            "stages 2-3 reduce-scatter inside the backward and stage 3 gathers inside the "
+            "forward and backward, so compare stages by train_step_ms. The JSON's "
+            "comm_bytes is the bytes a rank sends per step and collective (mean over ranks, "
+            "median over steps); comm_bytes_theory is k * P * itemsize * (W-1) / W with k = 2 "
+            "for stages 0-2 and 3 for stage 3, for one micro-batch: with --micro-batches n, "
+            "stages 2-3 reduce-scatter (and stage 3 gathers) once per micro-batch, so their "
+            "measured traffic grows n-fold. rss_floor_bytes (after imports and MPI init, "
+            "before the model) and rss_peak_bytes (end of training, before --verify) are the "
+            "largest ru_maxrss over ranks. --verify tolerates a relative difference of "
             "1e-4 in float32 and 1e-10 in float64: the W-rank and one-process runs sum "
             "gradients in different orders, and the hidden activation is smooth (tanh) so "
             "that these rounding differences stay rounding differences."
@@ -123,9 +153,12 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
     p.add_argument(
         "--stage",
         type=int,
-        choices=(1, 2),
+        choices=STAGES,
         default=2,
-        help="ZeRO stage: 1 shards the Adam moments, 2 also the gradients",
+        help="0: plain data parallelism (Allreduce, replicated Adam); ZeRO stage 1 shards "
+        "the Adam moments, 2 also the gradients (each bucket reduce-scattered during the "
+        "backward as soon as all its gradients are in), 3 also the parameters (gathered "
+        "one layer at a time when used)",
     )
     p.add_argument("--steps", type=_positive, default=200, help="optimizer steps to train")
     p.add_argument(
@@ -275,12 +308,6 @@ def _auto_blas_threads(world: int) -> int | None:
     return max(1, (cores or 1) // world)
 
 
-def _median_ms(seconds: Sequence[float]) -> float:
-    """Median in milliseconds, without the first (warm-up) value when there are more."""
-    values = seconds[1:] if len(seconds) > 1 else seconds
-    return 1e3 * statistics.median(values)
-
-
 def _format_bytes(count: float) -> str:
     for unit in ("B", "KiB", "MiB"):
         if count < 1024:
@@ -289,12 +316,60 @@ def _format_bytes(count: float) -> str:
     return f"{count:.4g} GiB"
 
 
+def max_rss_bytes() -> int:
+    """This process's peak resident set size so far, in bytes (``ru_maxrss`` is in
+    KiB on Linux and in bytes on macOS; 0 where there is no ``getrusage``)."""
+    if resource is None:
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def _warm_up(comm: Comm) -> None:
+    """Touch what every process pays for once, whatever the model: the BLAS thread
+    pool and its buffers, MPI's first-use allocations. The RSS floor is taken after
+    this, so that peak - floor is what the model and the optimizer cost."""
+    a = np.ones((256, 256))
+    for dtype in (np.float32, np.float64):
+        a.astype(dtype) @ a.astype(dtype)
+        buf = np.zeros(1 << 16, dtype)
+        comm.bcast_inplace(buf)
+        comm.allreduce_inplace(buf)
+    comm.pop_traffic()
+    comm.barrier()
+
+
+def micro_batch(
+    opt: ZeroOptimizer, names: Sequence[str], x: np.ndarray, y: np.ndarray, scale: float
+) -> float:
+    """Forward and backward of this rank's rows ``(x, y)`` of one micro-batch, layer
+    by layer through the optimizer, in every stage. Collective: every rank takes the
+    same ``opt.gathered`` / ``opt.gradients`` steps, even with no rows. Adds
+    ``scale * d loss / d param`` and returns the summed loss of the rows."""
+    last = len(names) - 1
+    acts = [x]  # the input of every layer
+    for i, name in enumerate(names):
+        with opt.gathered(name) as p:
+            acts.append(mlp.layer_forward(p, i, acts[-1], last=i == last))
+    loss, delta = mlp.loss_grad(acts.pop(), y, scale)
+    for i in range(last, -1, -1):
+        with opt.gathered(names[i]) as p, opt.gradients(names[i]) as g:
+            delta = mlp.layer_backward(p, g, i, acts.pop(), delta, first=i == 0)
+    return loss
+
+
+def _median(values: Sequence[float]) -> float:
+    """Median without the first (warm-up) value when there are more."""
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
 def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str, Any]]:
     """The sharded training run. Returns the optimizer and the (global) figures."""
     dtype = np.dtype(args.dtype)
     sizes = mlp.layer_sizes(args.in_dim, args.hidden, args.depth, args.classes)
+    names = mlp.layer_names(sizes)
     opt = ZeroOptimizer(
-        mlp.init_params(sizes, args.seed, dtype),
+        mlp.deferred_params(sizes, args.seed, dtype),
         comm=comm.mpi,
         stage=args.stage,
         lr=args.lr,
@@ -318,7 +393,9 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
     step_s: list[float] = []
     train_s: list[float] = []
     phase_s: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    sent: dict[str, list[int]] = {op: [] for op in COMM_OPS}
     clock = time.perf_counter
+    comm.pop_traffic()  # count training traffic only
     comm.barrier()  # start the clocks together
     for step in range(args.steps):
         start = clock()
@@ -329,9 +406,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
                 args.seed, step, micro, micro_rows, args.in_dim, args.classes, dtype
             )
             lo, hi = shard_range(micro_rows, world, rank)
-            local_loss += mlp.loss_and_grad(
-                opt.params, x[lo:hi], y[lo:hi], opt.grads, world / micro_rows
-            )
+            local_loss += micro_batch(opt, names, x[lo:hi], y[lo:hi], world / micro_rows)
             t0 = clock()
             opt.accumulate()
             optimizer += clock() - t0
@@ -342,6 +417,9 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         train_s.append(end - start)
         for phase, seconds in opt.pop_timings().items():
             phase_s[phase].append(seconds)
+        traffic = comm.pop_traffic()
+        for op in COMM_OPS:
+            sent[op].append(traffic.get(op, {}).get("sent", 0))
         losses.append(comm.sum(local_loss) / args.batch)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(
@@ -351,6 +429,12 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
                 flush=True,
             )
     memory = {k: int(comm.max(v)) for k, v in opt.memory_usage().items()}
+    buffers: dict[str, int] = {}
+    for rank_buffers in comm.allgather(opt.memory_buffers()):
+        for name, nbytes in rank_buffers.items():
+            buffers[name] = max(buffers.get(name, 0), nbytes)
+    step_sent = {op: _median(sent[op]) for op in COMM_OPS}
+    itemsize = dtype.itemsize
     results: dict[str, Any] = {
         "world_size": world,
         "stage": args.stage,
@@ -358,6 +442,8 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         "steps": args.steps,
         "dtype": args.dtype,
         "batch": args.batch,
+        # Stages 2-3 reduce-scatter (and stage 3 gathers) once per micro-batch: their
+        # comm_bytes are micro_batches times what comm_bytes_theory counts.
         "micro_batches": args.micro_batches,
         "buckets": len(opt.layout.buckets),
         "layer_sizes": sizes,
@@ -369,10 +455,20 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         "loss_first": losses[0],
         "loss_last": losses[-1],
         # The slowest rank's medians: the step is only as fast as the last rank.
-        "step_ms": comm.max(_median_ms(step_s)),
-        "train_step_ms": comm.max(_median_ms(train_s)),
-        "phase_ms": {phase: comm.max(_median_ms(phase_s[phase])) for phase in PHASES},
+        "step_ms": comm.max(1e3 * _median(step_s)),
+        "train_step_ms": comm.max(1e3 * _median(train_s)),
+        "phase_ms": {phase: comm.max(1e3 * _median(phase_s[phase])) for phase in PHASES},
+        # Bytes sent per step and collective: mean over ranks, and the busiest rank.
+        "comm_bytes": {op: comm.sum(v) / world for op, v in step_sent.items()},
+        "comm_bytes_max": {op: int(comm.max(v)) for op, v in step_sent.items()},
+        "comm_bytes_theory": COMM_FACTOR[args.stage] * params * itemsize * (world - 1) / world,
         "memory_bytes": memory,
+        "memory_buffers": buffers,
+        # What the model keeps for backward on the busiest rank: its rows of the largest
+        # micro-batch at the input and at every layer's output (not the optimizer's).
+        "activation_bytes": max(hi - lo for lo, hi in (shard_range(r, world, 0) for r in rows))
+        * sum(sizes)
+        * itemsize,
         "mpi_library": library_version(),
         "losses": losses,
     }
@@ -406,13 +502,15 @@ def reference_params(args: argparse.Namespace) -> dict[str, np.ndarray]:
 
 
 def verify(args: argparse.Namespace, opt: ZeroOptimizer) -> dict[str, float]:
-    """Collective: compare the sharded model with the reference, trained by rank 0
-    while the other ranks wait in the final allgather. Every rank gets the result."""
+    """Collective: compare the sharded model (copied out with ``opt.full_params()``,
+    any stage) with the reference, trained by rank 0 while the other ranks wait in
+    the final allgather. Every rank gets the result."""
+    full = opt.full_params()
     result = None
     if opt.comm.rank == 0:
         start = time.perf_counter()
         ref = reference_params(args)
-        max_abs = max(float(np.max(np.abs(opt.params[n] - ref[n]))) for n in ref)
+        max_abs = max(float(np.max(np.abs(full[n] - ref[n]))) for n in ref)
         scale = max(float(np.max(np.abs(p))) for p in ref.values())
         result = {
             "max_abs_diff": max_abs,
@@ -420,20 +518,27 @@ def verify(args: argparse.Namespace, opt: ZeroOptimizer) -> dict[str, float]:
             "tolerance": TOLERANCE[args.dtype],
             "reference_s": time.perf_counter() - start,
         }
+    del full
     return opt.comm.allgather(result)[0]
 
 
-def run(args: argparse.Namespace, comm: Comm) -> int:
-    """Train, summarise, optionally verify and write JSON. Returns the exit status."""
+def run(args: argparse.Namespace, comm: Comm, rss_floor: int | None = None) -> int:
+    """Train, summarise, optionally verify and write JSON. Returns the exit status.
+    ``rss_floor``: this rank's peak RSS before the model was built (default: now)."""
     blas = openblas_threads()
     previous = blas[0]() if blas else None
     threads = args.blas_threads or _auto_blas_threads(comm.size)
     try:
         if blas and threads:
             blas[1](threads)
+        _warm_up(comm)
+        if rss_floor is None:
+            rss_floor = max_rss_bytes()
         wall = time.perf_counter()
         opt, results = train(args, comm)
         results["train_wall_s"] = comm.max(time.perf_counter() - wall)
+        results["rss_floor_bytes"] = int(comm.max(rss_floor))
+        results["rss_peak_bytes"] = int(comm.max(max_rss_bytes()))  # before --verify
         results["blas_threads"] = blas[0]() if blas else None
         return _finish(args, opt, results)
     finally:
@@ -466,6 +571,7 @@ def _summary(r: dict[str, Any], check: dict[str, float] | None) -> None:
     phases = ", ".join(f"{k} {v:.3f}" for k, v in r["phase_ms"].items())
     memory = ", ".join(f"{k} {_format_bytes(v)}" for k, v in r["memory_bytes"].items())
     total = _format_bytes(sum(r["memory_bytes"].values()))
+    traffic = ", ".join(f"{k} {_format_bytes(v)}" for k, v in r["comm_bytes"].items() if v)
     lines = [
         f"summary: {r['params']:,} params ({r['dtype']}), world size {r['world_size']}, "
         f"stage {r['stage']}, {r['buckets']} bucket(s), batch {r['batch']} in "
@@ -475,7 +581,12 @@ def _summary(r: dict[str, Any], check: dict[str, float] | None) -> None:
         f"  median step {r['step_ms']:.3f} ms (accumulate + step), train step "
         f"{r['train_step_ms']:.3f} ms (with forward/backward)",
         f"  median phase ms: {phases}",
+        f"  sent per step and rank (mean over ranks): "
+        f"{_format_bytes(sum(r['comm_bytes'].values()))} ({traffic or 'nothing'}); "
+        f"textbook {_format_bytes(r['comm_bytes_theory'])} for one micro-batch",
         f"  optimizer memory per rank (max over ranks): {total}: {memory}",
+        f"  peak RSS per rank (max over ranks): {_format_bytes(r['rss_peak_bytes'])}, of "
+        f"which {_format_bytes(r['rss_floor_bytes'])} before the model was built",
         f"  MPI: {r['mpi_library']}",
     ]
     if check is not None:
