@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import statistics
@@ -325,14 +326,35 @@ def max_rss_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
-def _warm_up(comm: Comm) -> None:
-    """Touch what every process pays for once, whatever the model: the BLAS thread
-    pool and its buffers, MPI's first-use allocations. The RSS floor is taken after
-    this, so that peak - floor is what the model and the optimizer cost."""
-    a = np.ones((256, 256))
-    for dtype in (np.float32, np.float64):
-        a.astype(dtype) @ a.astype(dtype)
-        buf = np.zeros(1 << 16, dtype)
+def current_rss_bytes() -> int:
+    """This process's resident set size now (Linux ``/proc/self/statm``; elsewhere the
+    peak so far). The floor is taken with this, not the peak, so that the warm-up's
+    own temporaries do not raise it."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return max_rss_bytes()
+
+
+def _warm_up(comm: Comm, args: argparse.Namespace) -> None:
+    """Touch what every process pays for once, outside the model and the optimizer:
+    MPI's first-use allocations, and the BLAS library's working buffers, which grow
+    with the matrix shapes it has seen (so one forward and one weight-gradient product
+    of the widest layer, on throwaway arrays). The RSS floor is taken after this, so
+    that peak - floor is what the model and the optimizer hold."""
+    dtype = np.dtype(args.dtype)
+    sizes = mlp.layer_sizes(args.in_dim, args.hidden, args.depth, args.classes)
+    fan_in, fan_out = max(itertools.pairwise(sizes), key=lambda io: io[0] * io[1])
+    rows = -(-args.batch // args.micro_batches // comm.size) or 1
+    x = np.ones((rows, fan_in), dtype)
+    w = np.ones((fan_in, fan_out), dtype)
+    d = x @ w
+    w = x.T @ d
+    d @ w.T
+    del x, w, d
+    for kind in (np.float32, np.float64):
+        buf = np.zeros(1 << 16, kind)
         comm.bcast_inplace(buf)
         comm.allreduce_inplace(buf)
     comm.pop_traffic()
@@ -531,9 +553,9 @@ def run(args: argparse.Namespace, comm: Comm, rss_floor: int | None = None) -> i
     try:
         if blas and threads:
             blas[1](threads)
-        _warm_up(comm)
+        _warm_up(comm, args)
         if rss_floor is None:
-            rss_floor = max_rss_bytes()
+            rss_floor = current_rss_bytes()
         wall = time.perf_counter()
         opt, results = train(args, comm)
         results["train_wall_s"] = comm.max(time.perf_counter() - wall)
