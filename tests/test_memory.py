@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from zerompi import ZeroOptimizer
 from zerompi.buffers import CATEGORIES
-from zerompi.engine import DEFAULT_BUCKET_ELEMS, STAGES
+from zerompi.engine import DEFAULT_BUCKET_ELEMS
 from zerompi.memory import (
     estimate,
     estimate_max,
@@ -32,6 +32,7 @@ from zerompi.memory import (
     mlp_specs,
     paper_bytes,
 )
+from zerompi.partition import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)

@@ -88,6 +88,15 @@ def buffer_plan(layout: Layout, stage: int) -> list[PlannedBuffer]:
     return plan
 
 
+def full_grads_plan(layout: Layout) -> list[PlannedBuffer]:
+    """The full-size gradient buffers a stage-2 optimizer adds the first time
+    ``opt.grads`` is used (the non-streamed hand-over; see ``ZeroOptimizer.grads``)."""
+    return [
+        PlannedBuffer("grads_full", dtype, size, "communication_buffers")
+        for dtype, size in layout.sizes.items()
+    ]
+
+
 def aligned_empty(count: int, dtype: np.dtype | type) -> np.ndarray:
     """An uninitialised 1-D array of ``count`` elements whose data starts on an
     ``ALIGNMENT``-byte boundary."""

@@ -48,8 +48,8 @@ except ImportError:  # not a Unix: no getrusage, no RSS figures
 
 from . import mlp
 from .comm import Comm, library_version
-from .engine import DEFAULT_BUCKET_ELEMS, PHASES, STAGES, ZeroOptimizer
-from .partition import shard_range
+from .engine import DEFAULT_BUCKET_ELEMS, PHASES, ZeroOptimizer
+from .partition import STAGES, shard_range
 from .reference import ReferenceAdam, average
 
 #: Largest accepted ``max_abs_diff / max|reference param|`` of ``--verify``.

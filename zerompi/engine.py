@@ -44,15 +44,13 @@ import numpy as np
 from mpi4py import MPI
 
 from .adam import AdamConfig, adam_step
-from .buffers import BufferPool, buffer_plan
+from .buffers import BufferPool, buffer_plan, full_grads_plan
 from .comm import Comm
-from .partition import SUPPORTED_DTYPES, Bucket, Layout, default_group
+from .partition import SUPPORTED_DTYPES, Bucket, default_group, optimizer_layout
 
 #: Default bucket size in elements (16 MiB of float32): large enough that the
 #: per-collective latency is negligible, small enough to bound staging buffers.
 DEFAULT_BUCKET_ELEMS = 1 << 22
-
-STAGES = (0, 1, 2, 3)
 
 PHASES = ("reduce_scatter", "adam", "allgather")
 
@@ -183,25 +181,15 @@ class ZeroOptimizer:
         keys: list[str] = []
         try:
             specs = _check_params(params)
-            if type(stage) is not int or stage not in STAGES:
-                raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-            if isinstance(bucket_elems, bool) or not isinstance(bucket_elems, (int, np.integer)):
-                raise TypeError(f"bucket_elems must be an integer, got {bucket_elems!r}")
-            if bucket_elems < 1:
-                raise ValueError(f"bucket_elems must be >= 1, got {bucket_elems!r}")
             try:
                 b1, b2 = betas
             except (TypeError, ValueError):
                 raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
             self.config = AdamConfig(lr, b1, b2, eps, weight_decay, decoupled_weight_decay)
-            keys = [group_of(name) for name, _, _ in specs]
-            for name, key in zip(specs, keys, strict=True):
-                if not isinstance(key, str):
-                    raise TypeError(f"group_of({name[0]!r}) must return a str, got {key!r}")
-            # Stage 3 gathers a layer at a time, so a bucket is exactly one group.
-            self.layout = Layout.build(
-                specs, self.comm.size, self.comm.rank, int(bucket_elems), keys, stage != 3
+            self.layout = optimizer_layout(
+                specs, self.comm.size, self.comm.rank, stage, bucket_elems, group_of
             )
+            keys = [group_of(name) for name, _, _ in specs]
         except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         self.comm.agree(error)
@@ -340,8 +328,8 @@ class ZeroOptimizer:
 
     def _allocate_full_grads(self) -> None:
         self._full_grads = {
-            dtype: self.pool.zeros(f"grads_full.{dtype.name}", size, dtype, "communication_buffers")
-            for dtype, size in self.layout.sizes.items()
+            buf.dtype: self.pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
+            for buf in full_grads_plan(self.layout)
         }
         self._grads = FlatArrays(
             {n: self._view(self._full_grads, n) for n in self._order}, "gradient"

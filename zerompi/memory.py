@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 
 from . import mlp
-from .buffers import CATEGORIES, PlannedBuffer, buffer_plan
-from .engine import DEFAULT_BUCKET_ELEMS, STAGES
-from .partition import SUPPORTED_DTYPES, Layout, default_group
+from .buffers import CATEGORIES, buffer_plan, full_grads_plan
+from .engine import DEFAULT_BUCKET_ELEMS
+from .partition import STAGES, SUPPORTED_DTYPES, default_group, optimizer_layout
 
 #: (name, shape, dtype) of one parameter, in the model's order.
 Spec = tuple[str, tuple[int, ...], np.dtype]
@@ -102,15 +102,6 @@ def paper_bytes(params: Mapping[np.dtype, int], world_size: int, stage: int) -> 
     )
 
 
-def full_grads_plan(layout: Layout) -> list[PlannedBuffer]:
-    """The full-size gradient buffers a stage-2 optimizer adds the first time
-    ``opt.grads`` is used (the non-streamed hand-over; see ``ZeroOptimizer.grads``)."""
-    return [
-        PlannedBuffer("grads_full", dtype, size, "communication_buffers")
-        for dtype, size in layout.sizes.items()
-    ]
-
-
 def estimate(
     specs: Sequence[tuple[str, Sequence[int], Any]],
     world_size: int,
@@ -140,20 +131,8 @@ def estimate(
     * and ``world_size``, ``rank``, ``stage``, ``bucket_elems``, ``params``
       (elements), ``params_by_dtype``, ``buckets``, ``max_bucket_elems``.
     """
-    if type(stage) is not int or stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-    if isinstance(bucket_elems, bool) or not isinstance(bucket_elems, (int, np.integer)):
-        raise TypeError(f"bucket_elems must be an integer, got {bucket_elems!r}")
-    if bucket_elems < 1:
-        raise ValueError(f"bucket_elems must be >= 1, got {bucket_elems!r}")
     checked = check_specs(specs)
-    keys = [group_of(name) for name, _, _ in checked]
-    for (name, _, _), key in zip(checked, keys, strict=True):
-        if not isinstance(key, str):
-            raise TypeError(f"group_of({name!r}) must return a str, got {key!r}")
-    # Exactly the optimizer's call: stage 3 gathers one group at a time, so there a
-    # bucket is exactly one group.
-    layout = Layout.build(checked, world_size, rank, int(bucket_elems), keys, stage != 3)
+    layout = optimizer_layout(checked, world_size, rank, stage, bucket_elems, group_of)
     plan = buffer_plan(layout, stage)
     if full_grads and stage == 2:
         plan += full_grads_plan(layout)

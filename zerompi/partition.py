@@ -13,7 +13,7 @@ be built and checked in a single process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,3 +229,31 @@ class Layout:
     def max_bucket(self, dtype: np.dtype) -> int:
         """Elements of the largest bucket of ``dtype``: the size of a staging buffer."""
         return max((b.size for b in self.buckets if b.dtype == dtype), default=0)
+
+
+#: 0 is plain data parallelism (nothing sharded), 1-3 the ZeRO stages.
+STAGES = (0, 1, 2, 3)
+
+
+def optimizer_layout(
+    specs: Sequence[tuple[str, tuple[int, ...], np.dtype]],
+    world_size: int,
+    rank: int,
+    stage: int,
+    bucket_elems: int,
+    group_of: Callable[[str], str] = default_group,
+) -> Layout:
+    """The layout a ``ZeroOptimizer`` of ``stage`` uses, after checking its arguments:
+    stage 3 gathers one group at a time, so there a bucket is exactly one group;
+    stages 0-2 merge consecutive groups into buckets of up to ``bucket_elems``."""
+    if type(stage) is not int or stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if isinstance(bucket_elems, bool) or not isinstance(bucket_elems, (int, np.integer)):
+        raise TypeError(f"bucket_elems must be an integer, got {bucket_elems!r}")
+    if bucket_elems < 1:
+        raise ValueError(f"bucket_elems must be >= 1, got {bucket_elems!r}")
+    keys = [group_of(name) for name, _, _ in specs]
+    for (name, _, _), key in zip(specs, keys, strict=True):
+        if not isinstance(key, str):
+            raise TypeError(f"group_of({name!r}) must return a str, got {key!r}")
+    return Layout.build(specs, world_size, rank, int(bucket_elems), keys, stage != 3)
