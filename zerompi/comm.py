@@ -168,6 +168,62 @@ class Comm:
                     f"{what} differs between ranks: {_difference(values[0], other, r)}"
                 )
 
+    # -- MPI-IO (checkpoints) ----------------------------------------------------
+
+    def sum_uint64(self, values: np.ndarray) -> np.ndarray:
+        """Collective: elementwise sum of a small ``uint64`` array over ranks, modulo
+        2**64 (unsigned overflow wraps), returned as a new array on every rank."""
+        send = np.ascontiguousarray(values, dtype=np.uint64)
+        out = np.empty_like(send)
+        self.mpi.Allreduce([send, MPI.UINT64_T], [out, MPI.UINT64_T], op=MPI.SUM)
+        return out
+
+    def open_file(self, path: str, mode: str) -> MPI.File:
+        """Collective: open ``path`` with MPI-IO, ``"w"`` (create, write only) or
+        ``"r"`` (read only)."""
+        amode = {
+            "w": MPI.MODE_CREATE | MPI.MODE_WRONLY,
+            "r": MPI.MODE_RDONLY,
+        }[mode]
+        return MPI.File.Open(self.mpi, str(path), amode, MPI.INFO_NULL)
+
+    @staticmethod
+    def set_file_size(fh: MPI.File, nbytes: int) -> None:
+        """Collective: truncate or extend the file to ``nbytes`` (holes read as zeros)."""
+        fh.Set_size(int(nbytes))
+
+    @staticmethod
+    def _file_buffer(array: np.ndarray) -> list[Any]:
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:
+            raise ValueError("MPI-IO buffers must be contiguous")
+        if array.dtype in _MPI_TYPES:
+            return [array, _MPI_TYPES[array.dtype]]
+        return [array.reshape(-1).view(np.uint8), MPI.BYTE]
+
+    def write_at_all(self, fh: MPI.File, offset: int, array: np.ndarray) -> None:
+        """Collective: write ``array`` (native byte order, may be empty) at byte
+        ``offset``; every rank of the communicator must call it."""
+        fh.Write_at_all(int(offset), self._file_buffer(array))
+
+    def write_at(self, fh: MPI.File, offset: int, array: np.ndarray) -> None:
+        """Independent write of ``array`` at byte ``offset`` (one rank)."""
+        fh.Write_at(int(offset), self._file_buffer(array))
+
+    def read_at_all(self, fh: MPI.File, offset: int, array: np.ndarray) -> None:
+        """Collective: fill ``array`` (may be empty) from byte ``offset``."""
+        fh.Read_at_all(int(offset), self._file_buffer(array))
+
+    @staticmethod
+    def sync_file(fh: MPI.File) -> None:
+        """Collective: flush this file's writes to storage."""
+        fh.Sync()
+
+    @staticmethod
+    def close_file(fh: MPI.File) -> None:
+        """Collective: close an MPI-IO file."""
+        fh.Close()
+
 
 def library_version() -> str:
     """First line of the MPI library's version string (e.g. "MPICH Version: 5.0.2")."""

@@ -563,6 +563,30 @@ class ZeroOptimizer:
         self.comm.traffic = traffic
         return {n: self._view(full, n) for n in self._order}
 
+    # -- checkpoints -----------------------------------------------------------
+
+    def save(self, path: str) -> None:
+        """Collective: write parameters, Adam moments and step count to the single
+        file ``path`` (format: :mod:`zerompi.checkpoint`), each rank writing only its
+        shards with MPI-IO. The file is written under a temporary name and renamed
+        into place by rank 0, so ``path`` holds either the previous checkpoint or the
+        complete new one; an error on any rank is raised on every rank."""
+        from . import checkpoint  # not at import: keeps `python -m zerompi.checkpoint` clean
+
+        checkpoint.save(self, path)
+
+    def load(self, path: str) -> dict:
+        """Collective: restore parameters, Adam moments and step count from a
+        checkpoint saved at any world size and stage. The model (names, shapes,
+        dtypes, order) must match; this optimizer keeps its own hyperparameters.
+        Every checksum is verified before anything is changed: on any error
+        (not a checkpoint, truncated, corrupted, another model) every rank raises
+        :class:`zerompi.checkpoint.CheckpointError` and the state is untouched.
+        Accumulated gradients are discarded. Returns the checkpoint's header."""
+        from . import checkpoint
+
+        return checkpoint.load(self, path)
+
     def __repr__(self) -> str:
         total = sum(self.layout.sizes.values())
         return (
