@@ -3,11 +3,24 @@
 Every rank owns a contiguous, exactly counted shard of the flattened parameters
 (:func:`shard_range`); gradients are reduced with ``Reduce_scatter`` and parameters
 gathered with ``Allgatherv`` using exact variable counts, with no padding anywhere.
+
+The optimizer (and with it mpi4py) is imported on first use, so that the pure parts
+(the partition functions, :mod:`zerompi.checkpoint`'s reader, :mod:`zerompi.memory`'s
+estimator) work on a machine without MPI.
 """
 
+from typing import Any
+
 from .adam import AdamConfig
-from .engine import Deferred, ZeroOptimizer
-from .partition import Layout, gather_shards, plan_buckets, shard, shard_counts, shard_range
+from .partition import (
+    Deferred,
+    Layout,
+    gather_shards,
+    plan_buckets,
+    shard,
+    shard_counts,
+    shard_range,
+)
 
 __version__ = "0.1.0"
 
@@ -23,3 +36,11 @@ __all__ = [
     "shard_counts",
     "shard_range",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ZeroOptimizer":
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'zerompi' has no attribute {name!r}")

@@ -38,7 +38,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -46,11 +45,14 @@ from mpi4py import MPI
 from .adam import AdamConfig, adam_step
 from .buffers import BufferPool, buffer_plan, full_grads_plan
 from .comm import Comm
-from .partition import SUPPORTED_DTYPES, Bucket, default_group, optimizer_layout
-
-#: Default bucket size in elements (16 MiB of float32): large enough that the
-#: per-collective latency is negligible, small enough to bound staging buffers.
-DEFAULT_BUCKET_ELEMS = 1 << 22
+from .partition import (
+    DEFAULT_BUCKET_ELEMS,
+    SUPPORTED_DTYPES,
+    Bucket,
+    Deferred,
+    default_group,
+    optimizer_layout,
+)
 
 PHASES = ("reduce_scatter", "adam", "allgather")
 
@@ -88,36 +90,6 @@ class FlatArrays(Mapping[str, np.ndarray]):
 
     def __repr__(self) -> str:
         return f"<{self._what}s: {', '.join(self._views)}>"
-
-
-@dataclass(frozen=True)
-class Deferred:
-    """A parameter described by shape and dtype, made by ``init()`` only when and where
-    it is needed: on rank 0 alone, one bucket at a time. This is what lets a stage-3
-    model larger than one rank's memory be built without ever holding it whole."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    init: Callable[[], np.ndarray]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        object.__setattr__(self, "dtype", np.dtype(self.dtype))
-        if any(s < 0 for s in self.shape):
-            raise ValueError(f"Deferred shape {self.shape} has a negative dimension")
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    def materialize(self, name: str) -> np.ndarray:
-        value = self.init()
-        if not isinstance(value, np.ndarray) or value.shape != self.shape:
-            raise ValueError(
-                f"init of parameter {name!r} returned {type(value).__name__} of shape "
-                f"{getattr(value, 'shape', None)}, expected an array of shape {self.shape}"
-            )
-        return value
 
 
 def _check_params(params: object) -> list[tuple[str, tuple[int, ...], np.dtype]]:

@@ -44,8 +44,13 @@ import numpy as np
 
 from . import mlp
 from .buffers import CATEGORIES, buffer_plan, full_grads_plan
-from .engine import DEFAULT_BUCKET_ELEMS
-from .partition import STAGES, SUPPORTED_DTYPES, default_group, optimizer_layout
+from .partition import (
+    DEFAULT_BUCKET_ELEMS,
+    STAGES,
+    SUPPORTED_DTYPES,
+    default_group,
+    optimizer_layout,
+)
 
 #: (name, shape, dtype) of one parameter, in the model's order.
 Spec = tuple[str, tuple[int, ...], np.dtype]

@@ -41,7 +41,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from .engine import Deferred
+from .partition import Deferred
 
 #: Width of the teacher's hidden layer (small: it only has to make labels).
 TEACHER_HIDDEN = 64

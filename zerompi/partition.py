@@ -102,6 +102,36 @@ def gather_shards(shards: Sequence[np.ndarray], shape: Sequence[int]) -> np.ndar
 
 
 @dataclass(frozen=True)
+class Deferred:
+    """A parameter described by shape and dtype, made by ``init()`` only when and where
+    it is needed: on rank 0 alone, one bucket at a time. This is what lets a stage-3
+    model larger than one rank's memory be built without ever holding it whole."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    init: Callable[[], np.ndarray]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"Deferred shape {self.shape} has a negative dimension")
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def materialize(self, name: str) -> np.ndarray:
+        value = self.init()
+        if not isinstance(value, np.ndarray) or value.shape != self.shape:
+            raise ValueError(
+                f"init of parameter {name!r} returned {type(value).__name__} of shape "
+                f"{getattr(value, 'shape', None)}, expected an array of shape {self.shape}"
+            )
+        return value
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     """Where one named parameter lives in its dtype's flat buffer."""
 
@@ -230,6 +260,10 @@ class Layout:
         """Elements of the largest bucket of ``dtype``: the size of a staging buffer."""
         return max((b.size for b in self.buckets if b.dtype == dtype), default=0)
 
+
+#: Default bucket size in elements (16 MiB of float32): large enough that the
+#: per-collective latency is negligible, small enough to bound staging buffers.
+DEFAULT_BUCKET_ELEMS = 1 << 22
 
 #: 0 is plain data parallelism (nothing sharded), 1-3 the ZeRO stages.
 STAGES = (0, 1, 2, 3)
