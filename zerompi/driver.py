@@ -240,6 +240,27 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         help="rank 0 prints a progress line every this many steps "
         "(and for the first and the last step)",
     )
+    p.add_argument(
+        "--save",
+        metavar="PREFIX",
+        help="write checkpoints PREFIX.<step> (8 digits; one file each, MPI-IO, atomic) "
+        "after the last step and every --save-every steps",
+    )
+    p.add_argument(
+        "--save-every", type=_positive, metavar="K", help="also checkpoint every K steps"
+    )
+    p.add_argument(
+        "--keep",
+        type=_positive,
+        default=3,
+        help="keep the newest this many checkpoints of --save, delete older ones",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="PATH",
+        help="load this checkpoint (or the newest PATH.<step> if PATH is a --save "
+        "prefix) and continue from its step up to --steps; any world size and stage",
+    )
     return p
 
 
@@ -254,7 +275,51 @@ def parse_args(argv: Sequence[str] | None, rank: int = 0) -> argparse.Namespace:
             f"shard_range gives micro-batches of {rows} rows; every micro-batch needs at "
             "least one row (use a larger --batch or fewer --micro-batches)"
         )
+    if args.save_every and not args.save:
+        parser.error("--save-every needs --save PREFIX")
     return args
+
+
+def checkpoint_path(prefix: str, step: int) -> str:
+    return f"{prefix}.{step:08d}"
+
+
+def saved_checkpoints(prefix: str) -> list[str]:
+    """The checkpoints PREFIX.<8 digits> that exist, oldest first."""
+    folder = os.path.dirname(prefix) or "."
+    base = os.path.basename(prefix) + "."
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    steps = sorted(
+        n
+        for n in names
+        if n.startswith(base) and n[len(base) :].isdigit() and len(n) == len(base) + 8
+    )
+    return [os.path.join(folder, n) for n in steps]
+
+
+def save_checkpoint(opt: ZeroOptimizer, args: argparse.Namespace) -> str:
+    """Collective: checkpoint at the current step, then (rank 0) drop all but the
+    newest --keep checkpoints of the prefix. Only complete files are ever deleted."""
+    path = checkpoint_path(args.save, opt.step_count)
+    opt.save(path)
+    if opt.comm.rank == 0:
+        for old in saved_checkpoints(args.save)[: -args.keep]:
+            os.remove(old)
+    opt.comm.barrier()
+    return path
+
+
+def resume_path(path: str, comm: Comm) -> str:
+    """Rank 0's choice (every rank gets the same): the file itself, or the newest
+    checkpoint of a --save prefix."""
+    choice = path
+    if comm.rank == 0 and not os.path.isfile(path):
+        found = saved_checkpoints(path)
+        choice = found[-1] if found else path
+    return comm.allgather(choice)[0]
 
 
 def micro_batch_rows(batch: int, micro_batches: int) -> list[int]:
@@ -401,6 +466,17 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
     )
     comm = opt.comm  # every collective below goes through the optimizer's Comm
     world, rank = comm.size, comm.rank
+    first_step = 0
+    if args.resume:
+        path = resume_path(args.resume, comm)
+        opt.load(path)
+        first_step = opt.step_count
+        if first_step >= args.steps:
+            raise ValueError(
+                f"{path} is at step {first_step}: nothing to do for --steps {args.steps}"
+            )
+        if rank == 0:
+            print(f"zerompi.driver: resumed from {path} at step {first_step}", flush=True)
     rows = micro_batch_rows(args.batch, args.micro_batches)
     params = sum(spec.size for spec in opt.layout.params)
     if rank == 0:
@@ -419,7 +495,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
     clock = time.perf_counter
     comm.pop_traffic()  # count training traffic only
     comm.barrier()  # start the clocks together
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         start = clock()
         local_loss = 0.0
         optimizer = 0.0
@@ -450,6 +526,13 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
                 f"train step {1e3 * train_s[-1]:.2f} ms",
                 flush=True,
             )
+        if args.save and (
+            step == args.steps - 1 or (args.save_every and (step + 1) % args.save_every == 0)
+        ):
+            saved = save_checkpoint(opt, args)
+            comm.pop_traffic()  # not training traffic
+            if rank == 0:
+                print(f"zerompi.driver: saved {saved}", flush=True)
     memory = {k: int(comm.max(v)) for k, v in opt.memory_usage().items()}
     buffers: dict[str, int] = {}
     for rank_buffers in comm.allgather(opt.memory_buffers()):
@@ -462,6 +545,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         "stage": args.stage,
         "params": params,
         "steps": args.steps,
+        "first_step": first_step,
         "dtype": args.dtype,
         "batch": args.batch,
         # Stages 2-3 reduce-scatter (and stage 3 gathers) once per micro-batch: their
