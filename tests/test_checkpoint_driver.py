@@ -36,6 +36,19 @@ def complete_checkpoints(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("ck.*") if re.fullmatch(r"ck\.\d{8}", p.name))
 
 
+def ranks_of(tag: str) -> list[int]:
+    """PIDs of the driver processes whose command line carries ``--seed tag``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"zerompi.driver" in argv and tag.encode() in argv and entry.name.isdigit():
+            pids.append(int(entry.name))
+    return pids
+
+
 def same_state(a: str | Path, b: str | Path) -> bool:
     x, y = checkpoint.read(str(a)), checkpoint.read(str(b))
     return x["optimizer"]["step"] == y["optimizer"]["step"] and all(
@@ -79,9 +92,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_intact(tmp_path: P
             complete = complete_checkpoints(tmp_path)
             temps = list(tmp_path.glob("ck.*.tmp-*"))
             if complete and temps:  # a save is being written right now: kill one rank
-                pids = subprocess.run(["pgrep", "-f", f"zerompi.driver.*--seed {tag}"],
-                                      capture_output=True, text=True).stdout.split()
-                pids = [int(p) for p in pids if int(p) != proc.pid]
+                pids = [p for p in ranks_of(tag) if p != proc.pid]
                 if pids:
                     os.kill(max(pids), signal.SIGKILL)
                     killed = [p.name for p in temps]
