@@ -32,7 +32,6 @@ import ctypes
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -445,9 +444,9 @@ def micro_batch(
     return loss
 
 
-def _median(values: Sequence[float]) -> float:
+def _median(values: np.ndarray) -> float:
     """Median without the first (warm-up) value when there are more."""
-    return statistics.median(values[1:] if len(values) > 1 else values)
+    return float(np.median(values[1:] if len(values) > 1 else values))
 
 
 def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str, Any]]:
@@ -487,15 +486,16 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
             f"{args.micro_batches} micro-batch(es), {args.steps} steps",
             flush=True,
         )
-    losses: list[float] = []
-    step_s: list[float] = []
-    train_s: list[float] = []
-    phase_s: dict[str, list[float]] = {phase: [] for phase in PHASES}
-    sent: dict[str, list[int]] = {op: [] for op in COMM_OPS}
+    # Per-step records, allocated up front so that a long run's memory stays flat.
+    n = args.steps - first_step
+    losses, step_s, train_s = np.zeros(n), np.zeros(n), np.zeros(n)
+    phase_s = {phase: np.zeros(n) for phase in PHASES}
+    sent = {op: np.zeros(n, np.int64) for op in COMM_OPS}
+    rss_trace: list[list[int]] = []  # [step, current RSS, max over ranks] when logging
     clock = time.perf_counter
     comm.pop_traffic()  # count training traffic only
     comm.barrier()  # start the clocks together
-    for step in range(first_step, args.steps):
+    for i, step in enumerate(range(first_step, args.steps)):
         start = clock()
         local_loss = 0.0
         optimizer = 0.0
@@ -511,19 +511,22 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         t0 = clock()
         opt.step()
         end = clock()
-        step_s.append(optimizer + end - t0)
-        train_s.append(end - start)
+        step_s[i] = optimizer + end - t0
+        train_s[i] = end - start
         for phase, seconds in opt.pop_timings().items():
-            phase_s[phase].append(seconds)
+            phase_s[phase][i] = seconds
         traffic = comm.pop_traffic()
         for op in COMM_OPS:
-            sent[op].append(traffic.get(op, {}).get("sent", 0))
-        losses.append(comm.sum(local_loss) / args.batch)
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            sent[op][i] = traffic.get(op, {}).get("sent", 0)
+        losses[i] = comm.sum(local_loss) / args.batch
+        logged = step % args.log_every == 0 or step == args.steps - 1
+        if logged:  # the same steps on every rank: this is a collective
+            rss_trace.append([step + 1, int(comm.max(current_rss_bytes()))])
+        if rank == 0 and logged:
             print(
                 f"step {step + 1:>{len(str(args.steps))}}/{args.steps}  "
-                f"loss {losses[-1]:.4f}  step {1e3 * step_s[-1]:.2f} ms  "
-                f"train step {1e3 * train_s[-1]:.2f} ms",
+                f"loss {losses[i]:.4f}  step {1e3 * step_s[i]:.2f} ms  "
+                f"train step {1e3 * train_s[i]:.2f} ms",
                 flush=True,
             )
         if args.save and (
@@ -558,8 +561,8 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         "adamw": args.adamw,
         "seed": args.seed,
         "bucket_elems": args.bucket_elems,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
+        "loss_first": float(losses[0]),
+        "loss_last": float(losses[-1]),
         # The slowest rank's medians: the step is only as fast as the last rank.
         "step_ms": comm.max(1e3 * _median(step_s)),
         "train_step_ms": comm.max(1e3 * _median(train_s)),
@@ -576,7 +579,8 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         * sum(sizes)
         * itemsize,
         "mpi_library": library_version(),
-        "losses": losses,
+        "losses": losses.tolist(),
+        "rss_trace": rss_trace,
     }
     return opt, results
 
