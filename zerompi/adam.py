@@ -116,3 +116,37 @@ def adam_step(
             np.add(g, t, out=g)
         np.multiply(g, c.lr, out=g)
         np.subtract(p, g, out=p)
+
+
+#: Elements per ``np.dot`` in :func:`grad_stats`: bounds the float32 accumulation error
+#: of one dot product; the chunks are summed in float64.
+STATS_CHUNK = 4096
+
+
+def grad_stats(grad: np.ndarray, scratch: np.ndarray) -> tuple[int, float]:
+    """``(non-finite elements, sum of squares)`` of a 1-D view, read only.
+
+    Chunk by chunk with ``np.dot`` (which allocates nothing), summed in float64.
+    Elements are counted only in a chunk whose dot product is not finite; a chunk of
+    finite values whose squares overflow its dtype is rescaled by its largest
+    magnitude into ``scratch`` (chunks are at most ``len(scratch)`` long) and summed
+    again. The sum is ``inf`` or ``nan`` exactly when the count
+    is not zero.
+    """
+    nonfinite = 0
+    total = 0.0
+    chunk = max(1, min(STATS_CHUNK, scratch.shape[0]))
+    for lo in range(0, grad.shape[0], chunk):
+        g = grad[lo : lo + chunk]
+        s = float(np.dot(g, g))
+        if not math.isfinite(s):
+            bad = g.shape[0] - int(np.count_nonzero(np.isfinite(g)))  # rare: chunk-sized
+            if bad:
+                nonfinite += bad
+            else:  # finite values whose squares overflow: rescale
+                amax = max(abs(float(g.max())), abs(float(g.min())))
+                t = scratch[: g.shape[0]]
+                np.divide(g, amax, out=t)
+                s = float(np.dot(t, t)) * amax * amax
+        total += s
+    return nonfinite, total

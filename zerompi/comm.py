@@ -122,6 +122,17 @@ class Comm:
         """Sum of a scalar over ranks."""
         return self.mpi.allreduce(value, op=MPI.SUM)
 
+    def allgather_float64(self, values: np.ndarray) -> np.ndarray:
+        """Collective: every rank's small 1-D ``float64`` array, stacked in rank order
+        as a new ``(size, len(values))`` array, identical on every rank. Summing its
+        rows in order gives every rank bit-identical totals, which an ``Allreduce``
+        does not promise. A control message (a few numbers per step, such as gradient
+        statistics), not counted as data-path traffic."""
+        send = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+        out = np.empty((self.size, send.shape[0]), dtype=np.float64)
+        self.mpi.Allgather([send, MPI.DOUBLE], [out, MPI.DOUBLE])
+        return out
+
     def barrier(self) -> None:
         self.mpi.Barrier()
 
@@ -242,3 +253,140 @@ def _difference(ref: Any, other: Any, rank: int) -> str:
 def _short(value: Any, limit: int = 300) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- abort on an uncaught exception ---------------------------------------------------
+#
+# A rank that dies of an exception while the others wait for it in a collective leaves
+# them waiting forever: MPI has no failure detection, and mpiexec only ends the job once
+# *every* process has exited. The hook below turns an uncaught exception on any rank
+# into ``MPI_Abort`` on ``COMM_WORLD``, which makes the launcher kill the whole job.
+
+#: Setting this environment variable to ``1`` (read when the hook would be installed)
+#: keeps :func:`install_abort_hook` from doing anything.
+NO_ABORT_HOOK_ENV = "ZEROMPI_NO_ABORT_HOOK"
+
+_previous_hooks: tuple[Any, Any] | None = None  # (sys.excepthook, threading.excepthook)
+_aborting = False
+
+
+def _world_rank_size() -> tuple[int, int] | None:
+    """``(rank, size)`` of COMM_WORLD, or ``None`` when MPI is not running (not
+    initialized yet, or finalized already): then there is nothing to abort."""
+    try:
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            return None
+        return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    except Exception:  # pragma: no cover - a broken MPI: leave it to the default hook
+        return None
+
+
+def _abort_world(
+    exc_type: type[BaseException], exc: BaseException | None, tb: Any, where: str = ""
+) -> None:
+    """Report ``exc`` on stderr, naming this rank, and abort every process of the job."""
+    global _aborting
+    import traceback
+
+    rank, size = _world_rank_size() or (0, 1)
+    if _aborting:  # a second failure (another thread, or while reporting the first)
+        MPI.COMM_WORLD.Abort(1)
+    _aborting = True
+    code = 1
+    try:
+        if issubclass(exc_type, KeyboardInterrupt):
+            code = 130  # 128 + SIGINT, as a shell reports it (and mpi4py's runner)
+            sys.stderr.write(
+                f"zerompi: rank {rank} of {size} interrupted (KeyboardInterrupt){where}; "
+                "aborting the job\n"
+            )
+        else:
+            detail = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+            sys.stderr.write(f"zerompi: rank {rank} of {size} failed{where}: {detail}\n")
+            sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
+            sys.stderr.write(
+                f"zerompi: aborting all {size} ranks (MPI_Abort on COMM_WORLD); set "
+                f"{NO_ABORT_HOOK_ENV}=1 to disable\n"
+            )
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:  # pragma: no cover - closed streams must not stop the abort
+            pass
+        time.sleep(0.5)  # let the launcher forward what this rank printed before the kill
+        MPI.COMM_WORLD.Abort(code)
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    world = _world_rank_size()
+    previous = _previous_hooks[0] if _previous_hooks else sys.__excepthook__
+    if world is None or world[1] == 1:
+        previous(exc_type, exc, tb)
+        return
+    _abort_world(exc_type, exc, tb)
+
+
+def _threading_excepthook(args: Any) -> None:
+    world = _world_rank_size()
+    if world is None or world[1] == 1 or issubclass(args.exc_type, SystemExit):
+        import threading
+
+        previous = _previous_hooks[1] if _previous_hooks else threading.__excepthook__
+        previous(args)
+        return
+    name = getattr(args.thread, "name", None)
+    _abort_world(
+        args.exc_type,
+        args.exc_value,
+        args.exc_traceback,
+        f" in thread {name!r}" if name else " in a thread",
+    )
+
+
+def install_abort_hook() -> bool:
+    """Make an uncaught exception on any rank end the whole MPI job at once.
+
+    Installs (once; later calls do nothing) a :data:`sys.excepthook` and a
+    :data:`threading.excepthook` that, when ``COMM_WORLD`` has more than one process,
+    print ``zerompi: rank R of W failed: <Type>: <message>`` and the traceback to
+    stderr and call ``MPI.COMM_WORLD.Abort(1)`` (130 for ``KeyboardInterrupt``, with a
+    one-line message), so the launcher kills every rank instead of leaving the others
+    waiting forever in a collective. With one process, or before ``MPI_Init`` / after
+    ``MPI_Finalize``, the previous hooks run unchanged. Works under ``python -m mpi4py``
+    too (its runner re-raises the exception, which then reaches this hook).
+
+    Not covered: ``sys.exit()``/``SystemExit`` on one rank (it bypasses the excepthook;
+    run under ``python -m mpi4py`` to abort on a non-zero exit status too) and a rank
+    killed by a signal (the launcher handles that itself).
+
+    Opt out with the environment variable ``ZEROMPI_NO_ABORT_HOOK=1`` (read here, at
+    install time) or :func:`uninstall_abort_hook`. Returns whether the hook is
+    installed after the call.
+    """
+    global _previous_hooks
+    import os
+    import threading
+
+    if _previous_hooks is not None:
+        return True
+    if os.environ.get(NO_ABORT_HOOK_ENV, "").strip() not in ("", "0"):
+        return False
+    _previous_hooks = (sys.excepthook, threading.excepthook)
+    sys.excepthook = _excepthook
+    threading.excepthook = _threading_excepthook
+    return True
+
+
+def uninstall_abort_hook() -> None:
+    """Restore the hooks :func:`install_abort_hook` replaced (if they are still ours)."""
+    global _previous_hooks
+    import threading
+
+    if _previous_hooks is None:
+        return
+    if sys.excepthook is _excepthook:
+        sys.excepthook = _previous_hooks[0]
+    if threading.excepthook is _threading_excepthook:
+        threading.excepthook = _previous_hooks[1]
+    _previous_hooks = None

@@ -240,6 +240,18 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         "(and for the first and the last step)",
     )
     p.add_argument(
+        "--max-norm",
+        type=_positive_float,
+        help="clip the averaged gradient to this global L2 norm (torch's clip_grad_norm_)",
+    )
+    p.add_argument(
+        "--nonfinite",
+        choices=("skip", "raise"),
+        default="skip",
+        help="a step whose gradient has a NaN or inf on any rank is skipped on every rank "
+        "(counted in the progress line and the JSON), or raises",
+    )
+    p.add_argument(
         "--save",
         metavar="PREFIX",
         help="write checkpoints PREFIX.<step> (8 digits; one file each, MPI-IO, atomic) "
@@ -462,6 +474,8 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         weight_decay=args.weight_decay,
         decoupled_weight_decay=args.adamw,
         bucket_elems=args.bucket_elems,
+        max_norm=args.max_norm,
+        nonfinite=args.nonfinite,
     )
     comm = opt.comm  # every collective below goes through the optimizer's Comm
     world, rank = comm.size, comm.rank
@@ -526,7 +540,8 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
             print(
                 f"step {step + 1:>{len(str(args.steps))}}/{args.steps}  "
                 f"loss {losses[i]:.4f}  step {1e3 * step_s[i]:.2f} ms  "
-                f"train step {1e3 * train_s[i]:.2f} ms",
+                f"train step {1e3 * train_s[i]:.2f} ms  grad norm {opt.last_grad_norm:.3g}"
+                + (f"  skipped {opt.skipped_steps}" if opt.skipped_steps else ""),
                 flush=True,
             )
         if args.save and (
@@ -579,6 +594,9 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         * sum(sizes)
         * itemsize,
         "mpi_library": library_version(),
+        "skipped_steps": opt.skipped_steps,
+        "grad_norm_last": opt.last_grad_norm,
+        "max_norm": args.max_norm,
         "losses": losses.tolist(),
         "rss_trace": rss_trace,
     }
@@ -607,7 +625,12 @@ def reference_params(args: argparse.Namespace) -> dict[str, np.ndarray]:
             grads = {name: np.zeros_like(p) for name, p in ref.params.items()}
             mlp.loss_and_grad(ref.params, x, y, grads, 1.0 / micro_rows)
             micro_grads.append(grads)
-        ref.step({name: average(g[name] for g in micro_grads) for name in ref.params})
+        grads = {name: average(g[name] for g in micro_grads) for name in ref.params}
+        if args.max_norm is not None:  # torch's clip_grad_norm_ on the averaged gradient
+            norm = float(np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads.values())))
+            if norm > args.max_norm:
+                grads = {n: g * (args.max_norm / (norm + 1e-6)) for n, g in grads.items()}
+        ref.step(grads)
     return ref.params
 
 

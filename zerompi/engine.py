@@ -35,6 +35,7 @@ keeps stage 2's gradients at ``1/W``).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -42,9 +43,9 @@ from contextlib import contextmanager
 import numpy as np
 from mpi4py import MPI
 
-from .adam import AdamConfig, adam_step
+from .adam import AdamConfig, adam_step, grad_stats
 from .buffers import BufferPool, buffer_plan, full_grads_plan
-from .comm import Comm
+from .comm import Comm, install_abort_hook
 from .partition import (
     DEFAULT_BUCKET_ELEMS,
     SUPPORTED_DTYPES,
@@ -55,6 +56,27 @@ from .partition import (
 )
 
 PHASES = ("reduce_scatter", "adam", "allgather")
+NONFINITE = ("skip", "raise")
+
+
+def _check_failure_settings(max_norm: object, nonfinite: object) -> float | None:
+    """Local validation of ``max_norm`` and ``nonfinite``; returns ``max_norm`` as a
+    float (or None)."""
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r:.60}")
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(
+        max_norm, (int, float, np.floating, np.integer)
+    ):
+        raise TypeError(f"max_norm must be a real number or None, got {max_norm!r:.60}")
+    try:
+        value = float(max_norm)
+    except OverflowError:
+        raise ValueError(f"max_norm must be finite, got {max_norm!r:.40}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"max_norm must be finite and > 0, got {max_norm!r}")
+    return value
 
 
 class FlatArrays(Mapping[str, np.ndarray]):
@@ -131,6 +153,15 @@ class ZeroOptimizer:
     ``step()`` without any ``accumulate()`` counts one. With ``accumulate()``, call it
     after every micro-batch, the last one included. A parameter whose gradient is
     never handed over in a step has a zero gradient in that step (in every stage).
+
+    Before Adam runs, ``step()`` agrees on two numbers over all ranks: how many
+    elements of the averaged gradient are not finite, and its global L2 norm
+    (``opt.last_grad_norm``, before clipping). A non-finite gradient skips the step
+    on every rank alike: parameters, Adam moments and ``step_count`` stay as they
+    were, the gradients are discarded and ``opt.skipped_steps`` counts it; with
+    ``nonfinite="raise"`` every rank then raises ``FloatingPointError``. With
+    ``max_norm``, a gradient whose norm exceeds it is scaled by
+    ``max_norm / (norm + 1e-6)`` (torch's ``clip_grad_norm_``).
     """
 
     def __init__(
@@ -146,8 +177,11 @@ class ZeroOptimizer:
         decoupled_weight_decay: bool = False,
         bucket_elems: int = DEFAULT_BUCKET_ELEMS,
         group_of: Callable[[str], str] = default_group,
+        max_norm: float | None = None,
+        nonfinite: str = "skip",
     ) -> None:
         self.comm = Comm(comm)
+        install_abort_hook()  # an uncaught exception on any rank aborts the whole job
         error: BaseException | None = None
         specs: list[tuple[str, tuple[int, ...], np.dtype]] = []
         keys: list[str] = []
@@ -162,6 +196,8 @@ class ZeroOptimizer:
                 specs, self.comm.size, self.comm.rank, stage, bucket_elems, group_of
             )
             keys = [group_of(name) for name, _, _ in specs]
+            self.max_norm = _check_failure_settings(max_norm, nonfinite)
+            self.nonfinite = nonfinite
         except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         self.comm.agree(error)
@@ -173,8 +209,17 @@ class ZeroOptimizer:
             (stage, self.config, int(bucket_elems)),
             "the optimizer settings (stage, hyperparameters, bucket_elems)",
         )
+        self.comm.check_same(
+            (self.max_norm, self.nonfinite), "the failure settings (max_norm, nonfinite)"
+        )
         self.stage = stage
         self.step_count = 0
+        #: Steps skipped because the averaged gradient was not finite (step_count
+        #: does not count them).
+        self.skipped_steps = 0
+        #: Global L2 norm of the last step's averaged gradient, before clipping
+        #: (``nan`` before the first step; ``inf`` or ``nan`` for a skipped step).
+        self.last_grad_norm = math.nan
         self.timings = dict.fromkeys(PHASES, 0.0)
         self._order = list(params)
         self._micro_batches = 0
@@ -428,24 +473,30 @@ class ZeroOptimizer:
                 grad.fill(0)
 
     def step(self) -> None:
-        """Collective: average the gradients over ranks and micro-batches, run Adam on
-        this rank's part of every bucket, and (stages 1-2) gather the updated
-        parameters everywhere. Leaves every gradient buffer zeroed."""
+        """Collective: average the gradients over ranks and micro-batches, check them
+        and take their global norm, clip them if ``max_norm`` is set, run Adam on this
+        rank's part of every bucket, and (stages 1-2) gather the updated parameters
+        everywhere. Leaves every gradient buffer zeroed. A non-finite gradient skips
+        the step on every rank (and raises ``FloatingPointError`` everywhere with
+        ``nonfinite="raise"``)."""
         if self._micro_batches == 0:
             self.accumulate()  # what was handed over is the one micro-batch
         else:
             self._flush()
-        self.step_count += 1
         divisor = float(self.comm.size * self._micro_batches)
         clock = time.perf_counter
         rank = self.comm.rank
+        # (a) Every reduction: afterwards each bucket's summed gradient is in `grad`,
+        # of which this rank counts `local` (its shard) in the global statistics.
+        t0 = clock()
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, slice]] = []
         for index, bucket in enumerate(self.layout.buckets):
             dtype = bucket.dtype
-            t0 = clock()
             lo, hi = bucket.local(rank)
             if self.stage == 0:
                 grad = self._grad[dtype][bucket.start : bucket.stop]
                 self.comm.allreduce_inplace(grad)
+                local = grad[lo:hi]  # every rank holds it all; count each element once
                 param = self._flat[dtype][bucket.start : bucket.stop]
                 moments = slice(bucket.start, bucket.stop)
             else:
@@ -457,11 +508,49 @@ class ZeroOptimizer:
                     grad = self._shard_of(self._grad, index)
                     if self._reductions[index] == 0:
                         grad.fill(0)  # nothing was handed over: a zero gradient
+                local = grad
                 if self.stage == 3:
                     param = self._shard_of(self._flat, index)
                 else:
                     param = self._flat[dtype][bucket.start + lo : bucket.start + hi]
                 moments = slice(bucket.shard_offset, bucket.shard_offset + hi - lo)
+            parts.append((grad, local, param, moments))
+        # (b) One small collective: non-finite count and sum of squares over all ranks,
+        # summed in rank order so that every rank reaches the same decision.
+        stats = np.zeros(2)
+        for (_, local, _, _), bucket in zip(parts, self.layout.buckets, strict=True):
+            bad, sumsq = grad_stats(local, self._scratch[bucket.dtype])
+            stats[0] += bad
+            stats[1] += sumsq
+        gathered = self.comm.allgather_float64(stats)
+        nonfinite = int(math.fsum(gathered[:, 0]))
+        try:
+            sumsq = math.fsum(gathered[:, 1])  # the same on every rank
+        except (OverflowError, ValueError):  # inf - inf, or finite terms overflowing
+            sumsq = math.inf if not np.isnan(gathered[:, 1]).any() else math.nan
+        self.last_grad_norm = math.sqrt(sumsq) / divisor
+        self.timings["reduce_scatter"] += clock() - t0
+        if nonfinite:  # (c) skip on every rank alike
+            self.skipped_steps += 1
+            for store in (self._grad, self._full_grads or {}):
+                for grad in store.values():
+                    grad.fill(0)
+            self._reductions = [0] * len(self.layout.buckets)
+            self._micro_batches = 0
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"step {self.step_count + 1}: the averaged gradient has {nonfinite} "
+                    f"non-finite element(s) over {self.comm.size} rank(s); the step was "
+                    "skipped (parameters and Adam state unchanged)"
+                )
+            return
+        # (d) Clipping, folded into the divisor: g / (divisor / scale) = scale * g / divisor.
+        if self.max_norm is not None and self.last_grad_norm > self.max_norm:
+            divisor /= self.max_norm / (self.last_grad_norm + 1e-6)
+        self.step_count += 1
+        # (e) Adam on this rank's part, then (stages 1-2) gather, bucket by bucket.
+        for (grad, _, param, moments), bucket in zip(parts, self.layout.buckets, strict=True):
+            dtype = bucket.dtype
             t1 = clock()
             adam_step(
                 param,
@@ -479,7 +568,6 @@ class ZeroOptimizer:
                     self._flat[dtype][bucket.start : bucket.stop], bucket.counts, bucket.displs
                 )
             t3 = clock()
-            self.timings["reduce_scatter"] += t1 - t0
             self.timings["adam"] += t2 - t1
             self.timings["allgather"] += t3 - t2
         if self.stage <= 1:

@@ -1,0 +1,190 @@
+"""Failure behaviour: an exception on any rank, in any phase, ends the whole job fast.
+
+Each case runs tests/failing_script.py under a subprocess ``mpiexec`` (serial run
+only: an mpiexec inside an mpiexec'd test is not portable), with a timeout of its own
+that kills the launcher's whole process group, so a regression fails the test instead
+of hanging it and leaves no stray ranks behind. The failing rank prints a timestamp
+just before it raises; the job must have ended within ``LIMIT`` seconds of it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_harness import mpiexec
+
+from zerompi import comm as zcomm
+
+pytestmark = pytest.mark.mpi_skip
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "failing_script.py"
+LIMIT = 10.0  # seconds from the failure to the end of the job
+TIMEOUT = 60.0  # for a run that must end by itself
+
+
+def run(cmd: list[str], timeout: float = TIMEOUT, **env: str) -> tuple[int, str, float]:
+    """Run ``cmd`` in a session of its own; return (status, stdout + stderr, the end
+    time). On timeout kill the whole process group and raise ``TimeoutExpired``."""
+    environ = {k: v for k, v in os.environ.items() if k != "ZEROMPI_NO_ABORT_HOOK"}
+    environ.update(env)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=HERE.parent,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec, its proxies and every rank
+        proc.communicate()
+        raise
+    return proc.returncode, out, time.time()
+
+
+def launch(ranks: int, *args: str, mpi4py_runner: bool = False) -> list[str]:
+    python = [sys.executable, "-m", "mpi4py"] if mpi4py_runner else [sys.executable]
+    return [mpiexec(), "-n", str(ranks), *python, str(SCRIPT), *args]
+
+
+def seconds_after_failure(out: str, end: float) -> float:
+    stamps = [float(s) for s in re.findall(r"^FAILING_AT (\S+)$", out, re.MULTILINE)]
+    assert stamps, f"the script did not reach its failure:\n{out}"
+    return end - min(stamps)
+
+
+#: phase -> what stderr must say, given the failing rank and the world size
+EXPECTED = {
+    "model": [
+        "zerompi: rank {r} of {w} failed: InjectedFailure: injected failure in "
+        "phase 'model' on rank {r}"
+    ],
+    "collective": [
+        "zerompi: rank {r} of {w} failed: InjectedFailure: injected failure in phase 'collective'"
+    ],
+    "step": ["zerompi: rank {r} of {w} failed: InjectedFailure: injected failure in phase 'step'"],
+    # checkpoint errors are agreed on: every rank raises, naming the rank they came from
+    "save": [
+        "failed: zerompi.comm.CollectiveError: [Errno 28] No space left on device "
+        "(injected) (on rank {r} of {w})"
+    ],
+    "load": [
+        "failed: zerompi.comm.CollectiveError:",
+        "Permission denied (injected)",
+        "(on rank {r} of {w})",
+    ],
+    "interrupt": ["zerompi: rank {r} of {w} interrupted (KeyboardInterrupt); aborting"],
+    "thread": ["zerompi: rank {r} of {w} failed in thread 'loader': InjectedFailure"],
+}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("phase", list(EXPECTED))
+def test_failure_on_one_rank_ends_the_job(phase: str, ranks: int) -> None:
+    bad = 0 if phase == "collective" else ranks - 1
+    code, out, end = run(launch(ranks, phase, str(bad)))
+    assert code != 0, out
+    for text in EXPECTED[phase]:
+        assert text.format(r=bad, w=ranks) in out, out
+    if phase != "interrupt":
+        assert "Traceback (most recent call last)" in out, out
+    else:
+        assert "Traceback" not in out, out  # a short message only
+        assert code == 130, out
+    seconds = seconds_after_failure(out, end)
+    assert seconds < LIMIT, f"the job took {seconds:.1f}s to end after the failure\n{out}"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_run_without_failure_exits_0(ranks: int, tmp_path: Path) -> None:
+    code, out, _ = run(launch(ranks, "none", "0", str(tmp_path / "state.ckpt")))
+    assert code == 0, out
+    assert f"done: 3 steps on {ranks} ranks" in out, out
+    assert "zerompi: rank" not in out, out
+
+
+def test_mpi4py_runner_still_aborts() -> None:
+    """``python -m mpi4py script.py`` aborts on its own; the hook must not get in its way."""
+    code, out, end = run(launch(2, "model", "1", mpi4py_runner=True))
+    assert code != 0, out
+    assert "zerompi: rank 1 of 2 failed: InjectedFailure" in out, out
+    assert seconds_after_failure(out, end) < LIMIT, out
+
+
+def test_opt_out_leaves_the_others_waiting() -> None:
+    """With ZEROMPI_NO_ABORT_HOOK=1 rank 1 dies alone and rank 0 waits in its
+    reduce-scatter forever: only the timeout ends the run."""
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run(launch(2, "collective", "1"), timeout=8, ZEROMPI_NO_ABORT_HOOK="1")
+    out = info.value.output or ""
+    out = out if isinstance(out, str) else out.decode(errors="replace")
+    assert "zerompi: rank" not in out, out
+
+
+def test_one_process_keeps_the_normal_traceback() -> None:
+    """Without mpiexec (a world of one) the hook defers to the default excepthook."""
+    code, out, _ = run([sys.executable, str(SCRIPT), "model", "0"])
+    assert code == 1, out
+    assert "InjectedFailure: injected failure in phase 'model' on rank 0" in out, out
+    assert "zerompi: rank" not in out and "MPI_Abort" not in out, out
+
+
+# -- the hook itself, in this (one-process) interpreter ------------------------------
+
+
+@pytest.fixture
+def no_hook():
+    """Start without the hook (ZeroOptimizer may have installed it) and restore after."""
+    was_installed = zcomm._previous_hooks is not None
+    zcomm.uninstall_abort_hook()
+    before = (sys.excepthook, threading.excepthook)
+    yield before
+    zcomm.uninstall_abort_hook()
+    assert (sys.excepthook, threading.excepthook) == before
+    if was_installed:
+        zcomm.install_abort_hook()
+
+
+def test_install_is_idempotent_and_uninstall_restores(no_hook) -> None:
+    assert zcomm.install_abort_hook() is True
+    hooks = (sys.excepthook, threading.excepthook)
+    assert hooks != no_hook
+    assert zcomm.install_abort_hook() is True  # a second call changes nothing
+    assert (sys.excepthook, threading.excepthook) == hooks
+    zcomm.uninstall_abort_hook()
+    assert (sys.excepthook, threading.excepthook) == no_hook
+    zcomm.uninstall_abort_hook()  # harmless when not installed
+
+
+def test_environment_variable_opts_out(no_hook, monkeypatch) -> None:
+    monkeypatch.setenv("ZEROMPI_NO_ABORT_HOOK", "1")
+    assert zcomm.install_abort_hook() is False
+    assert (sys.excepthook, threading.excepthook) == no_hook
+
+
+def test_one_process_defers_to_the_previous_hooks(no_hook, monkeypatch) -> None:
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(("sys", a[0])))
+    monkeypatch.setattr(threading, "excepthook", lambda a: seen.append(("thread", a.exc_type)))
+    zcomm.install_abort_hook()
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        sys.excepthook(*sys.exc_info())
+    worker = threading.Thread(target=lambda: 1 / 0)
+    worker.start()
+    worker.join()
+    zcomm.uninstall_abort_hook()
+    assert seen == [("sys", ValueError), ("thread", ZeroDivisionError)]
