@@ -11,6 +11,7 @@ in their next collective.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -390,3 +391,32 @@ def uninstall_abort_hook() -> None:
     if threading.excepthook is _threading_excepthook:
         threading.excepthook = _previous_hooks[1]
     _previous_hooks = None
+
+
+#: Environment variables by which launchers announce how many processes they started.
+LAUNCHER_SIZE_VARIABLES = (
+    "SLURM_STEP_NUM_TASKS",  # srun
+    "PMI_SIZE",  # MPICH's hydra and other PMI-1 launchers
+    "PMIX_SIZE",
+    "OMPI_COMM_WORLD_SIZE",  # Open MPI's mpirun
+)
+
+
+def check_world() -> None:
+    """Refuse the classic silent mistake: every rank alone in a world of one while the
+    launcher started several (``srun --mpi=none``, or an mpi4py built against another
+    MPI than the launcher's): each would train on its own. ``ZEROMPI_ALLOW_SINGLETON=1``
+    skips the check."""
+    if MPI.COMM_WORLD.Get_size() != 1 or os.environ.get("ZEROMPI_ALLOW_SINGLETON") == "1":
+        return
+    for name in LAUNCHER_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            raise RuntimeError(
+                f"MPI sees a world of 1 process, but {name}={value}: the launcher started "
+                f"{value} processes that do not form one MPI world, so each would train "
+                "alone. Launch with an MPI-aware launcher matching mpi4py's MPI "
+                "(mpiexec -n N, or srun --mpi=pmi2 / pmix under SLURM), check "
+                "`python -m mpi4py --mpi-library` against the launcher, or set "
+                "ZEROMPI_ALLOW_SINGLETON=1 if this is intended."
+            )

@@ -45,7 +45,7 @@ from mpi4py import MPI
 
 from .adam import AdamConfig, adam_step, grad_stats
 from .buffers import BufferPool, buffer_plan, full_grads_plan
-from .comm import Comm, install_abort_hook
+from .comm import CollectiveError, Comm, check_world, install_abort_hook
 from .partition import (
     DEFAULT_BUCKET_ELEMS,
     SUPPORTED_DTYPES,
@@ -186,6 +186,7 @@ class ZeroOptimizer:
         specs: list[tuple[str, tuple[int, ...], np.dtype]] = []
         keys: list[str] = []
         try:
+            check_world()
             specs = _check_params(params)
             try:
                 b1, b2 = betas
@@ -517,12 +518,21 @@ class ZeroOptimizer:
             parts.append((grad, local, param, moments))
         # (b) One small collective: non-finite count and sum of squares over all ranks,
         # summed in rank order so that every rank reaches the same decision.
-        stats = np.zeros(2)
+        # [non-finite count, sum of squares, step count, micro-batches] of this rank
+        stats = np.array([0.0, 0.0, self.step_count, self._micro_batches])
         for (_, local, _, _), bucket in zip(parts, self.layout.buckets, strict=True):
             bad, sumsq = grad_stats(local, self._scratch[bucket.dtype])
             stats[0] += bad
             stats[1] += sumsq
         gathered = self.comm.allgather_float64(stats)
+        for column, what in ((2, "step count"), (3, "number of micro-batches")):
+            if (gathered[:, column] != gathered[0, column]).any():  # every rank sees this
+                r = int(np.argmax(gathered[:, column] != gathered[0, column]))
+                raise CollectiveError(
+                    f"the {what} differs between ranks: rank 0 has "
+                    f"{int(gathered[0, column])}, rank {r} has {int(gathered[r, column])} "
+                    "(every rank must call step() and accumulate() alike)"
+                )
         nonfinite = int(math.fsum(gathered[:, 0]))
         try:
             sumsq = math.fsum(gathered[:, 1])  # the same on every rank
