@@ -30,6 +30,24 @@ import numpy as np
 BLOCK = 1 << 15
 
 
+def finite_real(
+    name: str, value: object, *, positive: bool = False, kind: str = "a real number"
+) -> float:
+    """``value`` as a finite Python float (``> 0`` if ``positive``), or a
+    ``TypeError``/``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be {kind}, got {value!r:.60}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got {value!r:.40}") from None
+    if positive and not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class AdamConfig:
     """Hyperparameters of Adam/AdamW, validated on construction."""
@@ -43,20 +61,9 @@ class AdamConfig:
 
     def __post_init__(self) -> None:
         for name in ("lr", "beta1", "beta2", "eps", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(
-                value, (int, float, np.floating, np.integer)
-            ):
-                raise TypeError(f"{name} must be a real number, got {value!r}")
-            try:
-                value = float(value)
-            except OverflowError:
-                raise ValueError(f"{name} must be finite, got {value!r:.40}") from None
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
             # Plain Python floats: numpy then treats them as weak scalars and computes
             # in the array's own dtype.
-            object.__setattr__(self, name, value)
+            object.__setattr__(self, name, finite_real(name, getattr(self, name)))
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if self.eps <= 0:

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 import numpy as np
 from mpi4py import MPI
 
-from .adam import AdamConfig, adam_step, grad_stats
+from .adam import AdamConfig, adam_step, finite_real, grad_stats
 from .buffers import BufferPool, buffer_plan, full_grads_plan
 from .comm import CollectiveError, Comm, check_world, install_abort_hook
 from .partition import (
@@ -66,17 +66,7 @@ def _check_failure_settings(max_norm: object, nonfinite: object) -> float | None
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r:.60}")
     if max_norm is None:
         return None
-    if isinstance(max_norm, bool) or not isinstance(
-        max_norm, (int, float, np.floating, np.integer)
-    ):
-        raise TypeError(f"max_norm must be a real number or None, got {max_norm!r:.60}")
-    try:
-        value = float(max_norm)
-    except OverflowError:
-        raise ValueError(f"max_norm must be finite, got {max_norm!r:.40}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"max_norm must be finite and > 0, got {max_norm!r}")
-    return value
+    return finite_real("max_norm", max_norm, positive=True, kind="a real number or None")
 
 
 class FlatArrays(Mapping[str, np.ndarray]):
