@@ -235,6 +235,20 @@ def test_load_keeps_hyperparameters_and_discards_gradients(mpi_tmp_path: Path) -
     assert_all(ok, f"lr {other.config.lr}, step {other.step_count}")
 
 
+def test_skipped_steps_survive_a_checkpoint(mpi_tmp_path: Path) -> None:
+    """A resumed run must know how many batches were consumed by skipped steps."""
+    path = shared_path(mpi_tmp_path, WORLD, "skipped")
+    opt = make_opt(WORLD, 1)
+    train(opt, MIXED, 0, 1)
+    opt.grads["w"][...] += np.nan  # on every rank: the next step is skipped everywhere
+    opt.step()
+    opt.save(path)
+    other = make_opt(WORLD, 2)
+    other.load(path)
+    ok = other.step_count == 1 and other.skipped_steps == 1
+    assert_all(ok, f"step {other.step_count}, skipped {other.skipped_steps}")
+
+
 # -- invalid files: every rank raises, nothing is loaded -------------------------------------
 
 

@@ -383,6 +383,7 @@ def _optimizer_entry(opt: Any) -> dict[str, Any]:
         "weight_decay": cfg.weight_decay,
         "decoupled": cfg.decoupled,
         "step": int(opt.step_count),
+        "skipped_steps": int(opt.skipped_steps),
     }
 
 
@@ -570,6 +571,7 @@ def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
     finally:
         comm.traffic = traffic
     opt.step_count = int(header["optimizer"]["step"])
+    opt.skipped_steps = int(header["optimizer"].get("skipped_steps", 0))
     opt.zero_grad()
     return header
 

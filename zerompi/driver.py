@@ -314,7 +314,7 @@ def saved_checkpoints(prefix: str) -> list[str]:
 def save_checkpoint(opt: ZeroOptimizer, args: argparse.Namespace) -> str:
     """Collective: checkpoint at the current step, then (rank 0) drop all but the
     newest --keep checkpoints of the prefix. Only complete files are ever deleted."""
-    path = checkpoint_path(args.save, opt.step_count)
+    path = checkpoint_path(args.save, opt.step_count + opt.skipped_steps)  # batches seen
     opt.save(path)
     if opt.comm.rank == 0:
         for old in saved_checkpoints(args.save)[: -args.keep]:
@@ -483,7 +483,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
     if args.resume:
         path = resume_path(args.resume, comm)
         opt.load(path)
-        first_step = opt.step_count
+        first_step = opt.step_count + opt.skipped_steps  # the batches already seen
         if first_step >= args.steps:
             raise ValueError(
                 f"{path} is at step {first_step}: nothing to do for --steps {args.steps}"
