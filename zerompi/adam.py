@@ -13,18 +13,49 @@ to the learning rate, as torch's ``AdamW``)::
     u += wd * p                               (decoupled only)
     p -= lr * u
 
-The kernel runs in blocks of ``len(scratch)`` elements with ``out=`` ufuncs, so it
-allocates nothing and keeps its working set in cache. It performs the same IEEE
-operations in the same order as :mod:`zerompi.reference`, so a world of one rank
-reproduces the reference bit for bit.
+Two kernels compute it, with the same IEEE operations in the same order as
+:mod:`zerompi.reference`, so a world of one rank reproduces the reference bit for bit:
+
+* ``"c"``: the compiled extension ``zerompi._kernels`` (built at install when a C
+  compiler is there), one fused pass over memory: 28 bytes per float32 element, at
+  about the speed of torch's fused CPU Adam;
+* ``"numpy"``: blocks of ``len(scratch)`` elements with ``out=`` ufuncs, allocation
+  free and cache-resident, about 3x slower. The fallback without a compiler.
+
+``ZEROMPI_KERNEL=numpy`` (or ``c``, which then must be present) chooses; :data:`KERNEL`
+says which one runs.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
+
+try:
+    from . import _kernels
+except ImportError:  # built without a C compiler: the numpy kernel does the work
+    _kernels = None
+
+
+def _choose_kernel(requested: str) -> str:
+    """The kernel to run for a request of ``""``/``"auto"``, ``"c"`` or ``"numpy"``."""
+    if requested not in ("", "auto", "c", "numpy"):
+        raise ValueError(f"the Adam kernel must be 'c', 'numpy' or 'auto', got {requested!r}")
+    if requested == "c" and _kernels is None:
+        raise ImportError(
+            "ZEROMPI_KERNEL=c but zerompi._kernels was not built (no C compiler at "
+            "install time?): reinstall zerompi with gcc or cc on PATH"
+        )
+    if requested == "numpy" or _kernels is None:
+        return "numpy"
+    return "c"
+
+
+#: The Adam kernel in use: ``"c"`` (fused, compiled) or ``"numpy"`` (blocked ufuncs).
+KERNEL: str = _choose_kernel(os.environ.get("ZEROMPI_KERNEL", ""))
 
 #: Elements per block: 4 arrays + scratch of one block stay within L2 cache.
 BLOCK = 1 << 15
@@ -86,16 +117,28 @@ def adam_step(
     config: AdamConfig,
     scratch: np.ndarray,
     divisor: float = 1.0,
+    kernel: str | None = None,
 ) -> None:
     """One Adam step on 1-D views of equal length, in place.
 
-    ``grad`` is consumed (used as a second scratch buffer). ``step`` is the 1-based
-    step count used for bias correction; ``divisor`` averages a gradient that was
-    summed over ranks and micro-batches.
+    ``grad`` is consumed (its contents are undefined afterwards). ``step`` is the
+    1-based step count used for bias correction; ``divisor`` averages a gradient that
+    was summed over ranks and micro-batches. ``kernel`` overrides :data:`KERNEL`;
+    views that are not contiguous take the numpy kernel.
     """
     c = config
     bc1 = 1.0 - c.beta1**step
     bc2 = 1.0 - c.beta2**step
+    if kernel is not None and kernel != KERNEL:
+        kernel = _choose_kernel(kernel)
+    if (kernel or KERNEL) == "c" and all(
+        a.flags.c_contiguous for a in (param, grad, exp_avg, exp_avg_sq)
+    ):
+        _kernels.adam(
+            param, grad, exp_avg, exp_avg_sq, c.lr, c.beta1, c.beta2, c.eps,
+            c.weight_decay, c.decoupled, bc1, bc2, float(divisor),
+        )  # fmt: skip
+        return
     n = param.shape[0]
     for lo in range(0, n, scratch.shape[0]):
         hi = min(lo + scratch.shape[0], n)

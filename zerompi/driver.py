@@ -46,6 +46,7 @@ except ImportError:  # not a Unix: no getrusage, no RSS figures
     resource = None  # type: ignore[assignment]
 
 from . import mlp
+from .adam import KERNEL
 from .comm import Comm, library_version
 from .engine import DEFAULT_BUCKET_ELEMS, PHASES, ZeroOptimizer
 from .partition import STAGES, shard_range
@@ -594,6 +595,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         * sum(sizes)
         * itemsize,
         "mpi_library": library_version(),
+        "adam_kernel": KERNEL,
         "skipped_steps": opt.skipped_steps,
         "grad_norm_last": opt.last_grad_norm,
         "max_norm": args.max_norm,
@@ -720,7 +722,7 @@ def _summary(r: dict[str, Any], check: dict[str, float] | None) -> None:
         f"  optimizer memory per rank (max over ranks): {total}: {memory}",
         f"  peak RSS per rank (max over ranks): {_format_bytes(r['rss_peak_bytes'])}, of "
         f"which {_format_bytes(r['rss_floor_bytes'])} before the model was built",
-        f"  MPI: {r['mpi_library']}",
+        f"  MPI: {r['mpi_library']}; Adam kernel: {r['adam_kernel']}",
     ]
     if check is not None:
         verdict = "OK" if r["verify_ok"] else "FAILED"
