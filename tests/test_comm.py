@@ -358,3 +358,85 @@ def test_inplace_collectives_refuse_counts_that_do_not_fit(comm: MPI.Intracomm) 
     assert_raises_all(ValueError, "do not sum to the 4 elements",
                       lambda: c.reduce_scatter_inplace(buf, [5] + [0] * (c.size - 1)))
     assert_all(bool(np.all(outer == -1.0)), f"buffer written: {outer}")
+
+
+# -- nonblocking: ireduce_scatter, iallgatherv, iallreduce ---------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float64"])
+def test_nonblocking_collectives_in_flight_together(comm: MPI.Intracomm, dtype: type) -> None:
+    """Every total at once, all started before any completes (as the engine keeps one
+    bucket's reduction in flight while the next fills): reduce-scatter in place and
+    into a separate shard, allgatherv and allreduce, each exact, nothing written
+    outside its buffer, results delivered by wait()."""
+    c = Comm(comm)
+    problems = []
+    started = []
+    for total in TOTALS:
+        counts, displs = shard_counts(total, c.size)
+        lo, n = displs[c.rank], counts[c.rank]
+        rs_outer, rs = guarded(total, dtype, np.nan)
+        rs[...] = rank_data(total, c.rank, dtype)
+        to_outer, to_buf = guarded(total, dtype, np.nan)
+        to_buf[...] = rank_data(total, c.rank, dtype)
+        shard_outer, shard = guarded(n, dtype, np.nan)
+        full = np.asarray(np.arange(total) * 0.5 - 3.25, dtype=dtype)
+        ag_outer, ag = guarded(total, dtype, np.nan)
+        ag[lo : lo + n] = full[lo : lo + n]
+        ar_outer, ar = guarded(total, dtype, np.nan)
+        ar[...] = rank_data(total, c.rank, dtype)
+        pending = [
+            c.ireduce_scatter(rs, counts),
+            c.ireduce_scatter(to_buf, counts, out=shard),
+            c.iallgatherv(ag, counts, displs),
+            c.iallreduce(ar),
+        ]
+        c.progress(pending)
+        started.append((total, lo, n, pending, (rs_outer, to_outer, shard_outer, ag_outer,
+                                                ar_outer), full))  # fmt: skip
+    c.wait_all([p for *_, pending, _, _ in started for p in pending])
+    for total, lo, n, pending, outers, full in started:
+        want = expected_sum(total, c.size, dtype)
+        got_rs, got_shard = pending[0].wait(), pending[1].wait()
+        if got_rs.shape != (n,) or not np.array_equal(got_rs, want[lo : lo + n]):
+            problems.append(f"total={total}: in-place reduce-scatter {got_rs[:6]}")
+        if not np.array_equal(got_shard, want[lo : lo + n]):
+            problems.append(f"total={total}: reduce-scatter into out {got_shard[:6]}")
+        if not np.array_equal(pending[2].wait(), full):
+            problems.append(f"total={total}: allgatherv {pending[2].result[:6]}")
+        if not np.array_equal(pending[3].wait(), want):
+            problems.append(f"total={total}: allreduce {pending[3].result[:6]}")
+        if not all(p.done() for p in pending):
+            problems.append(f"total={total}: not done after wait")
+        if not all(guards_intact(outer, np.nan) for outer in outers):
+            problems.append(f"total={total}: wrote outside a buffer")
+    assert_all(not problems, f"size {c.size}: " + "; ".join(problems))
+
+
+def test_nonblocking_collectives_count_traffic_like_blocking(comm: MPI.Intracomm) -> None:
+    c = Comm(comm)
+    counts, displs = shard_counts(1000, c.size)
+    buf = np.zeros(1000)
+    c.reduce_scatter_inplace(buf, counts)
+    c.allgatherv_inplace(buf, counts, displs)
+    c.allreduce_inplace(buf)
+    blocking = c.pop_traffic()
+    c.wait_all([c.ireduce_scatter(buf, counts), c.iallgatherv(buf, counts, displs),
+                c.iallreduce(buf)])  # fmt: skip
+    assert_all(c.pop_traffic() == blocking, "traffic differs")
+
+
+def test_nonblocking_collectives_refuse_bad_buffers(comm: MPI.Intracomm) -> None:
+    """Checked before MPI is entered, identically on every rank."""
+    c = Comm(comm)
+    buf = np.zeros(4)
+    counts, displs = [5] * c.size, [5 * r for r in range(c.size)]
+    assert_raises_all(ValueError, "do not fit a buffer of 4 elements",
+                      lambda: c.iallgatherv(buf, counts, displs))  # fmt: skip
+    assert_raises_all(ValueError, "do not sum to the 4 elements",
+                      lambda: c.ireduce_scatter(buf, [5] + [0] * (c.size - 1)))  # fmt: skip
+    counts4, _ = shard_counts(4, c.size)
+    assert_raises_all(ValueError, "out must be",
+                      lambda: c.ireduce_scatter(buf, counts4, out=np.zeros(9)))  # fmt: skip
+    assert_raises_all(ValueError, "out must be", lambda: c.ireduce_scatter(
+        buf, counts4, out=np.zeros(counts4[c.rank], np.float32)))  # fmt: skip

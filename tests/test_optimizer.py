@@ -664,13 +664,20 @@ def bucket_sizes(spec: Spec, bucket_elems: int, stage: int) -> dict[np.dtype, li
 
 
 def expected_usage(
-    spec: Spec, size: int, rank: int, bucket_elems: int, stage: int, full_grads: bool = False
+    spec: Spec,
+    size: int,
+    rank: int,
+    bucket_elems: int,
+    stage: int,
+    full_grads: bool = False,
+    slots: int = 2,
 ) -> tuple[dict[str, int], int]:
     """Bytes per category: parameters full (stage 3: the shard), gradients full
-    (stages 2-3: the shard), Adam moments the shard (stage 0: full), one staging
-    bucket of the largest bucket's size in stages 2-3 and one gather bucket in stage
-    3, per dtype; ``full_grads``: the full staging buffer stage 2 allocates for
-    ``opt.grads``. Also returns an upper bound for the Adam kernel's scratch."""
+    (stages 2-3: the shard), Adam moments the shard (stage 0: full), ``slots``
+    staging buckets of the largest bucket's size in stages 2-3 (2 with ``overlap``,
+    1 without) and one gather bucket in stage 3, per dtype; ``full_grads``: the full
+    staging buffer stage 2 allocates for ``opt.grads``. Also returns an upper bound
+    for the Adam kernel's scratch."""
     usage = dict.fromkeys(CATEGORIES, 0)
     scratch_bound = 0
     for dtype, buckets in bucket_sizes(spec, bucket_elems, stage).items():
@@ -681,7 +688,7 @@ def expected_usage(
         usage["parameter_partitions"] += shard if stage == 3 else full
         usage["gradient_partitions"] += full if stage <= 1 else shard
         usage["optimizer_states"] += 2 * (full if stage == 0 else shard)
-        usage["communication_buffers"] += {0: 0, 1: 0, 2: biggest, 3: 2 * biggest}[stage]
+        usage["communication_buffers"] += {0: 0, 1: 0, 2: slots, 3: slots + 1}[stage] * biggest
         if full_grads:
             usage["communication_buffers"] += full
         scratch_bound += min(BLOCK * item, max(full if stage == 0 else shard, item))

@@ -141,13 +141,40 @@ BUCKETS = {0: [3], 1: [3], 2: [3, LARGE], 3: [1]}  # bucket_elems is moot in sta
 
 
 def run_script(comm: MPI.Intracomm, stage: int, script: Script, steps: int = 2) -> list[str]:
+    """``script`` against the reference, with two staging slots (``overlap``: a bucket
+    may still be reducing while the next fills, or while the same bucket is handed
+    over again) and with one."""
     problems = []
     for bucket_elems in BUCKETS[stage]:
-        params = make_params(TINY, seed=stage)
-        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems, **HYPER)
-        ref = ReferenceAdam(params, **HYPER)
-        problems += [f"bucket_elems={bucket_elems}: {p}" for p in play(opt, ref, script, steps)]
+        for overlap in (True, False) if stage >= 2 else (True,):
+            params = make_params(TINY, seed=stage)
+            opt = ZeroOptimizer(
+                params, comm=comm, stage=stage, bucket_elems=bucket_elems, overlap=overlap,
+                **HYPER,
+            )  # fmt: skip
+            ref = ReferenceAdam(params, **HYPER)
+            what = f"bucket_elems={bucket_elems} overlap={overlap}"
+            problems += [f"{what}: {p}" for p in play(opt, ref, script, steps)]
     return problems
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_grad_with_reductions_in_flight(comm: MPI.Intracomm, stage: int) -> None:
+    """Buckets handed over (their reductions started, not completed), then
+    ``zero_grad()``: they are completed and discarded; the step sees only what comes
+    after."""
+    problems = []
+    for overlap in (True, False):
+        params = make_params(TINY, seed=5)
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=1, overlap=overlap,
+                            **HYPER)  # fmt: skip
+        ref = ReferenceAdam(params, **HYPER)
+        for names, seed in reverse_groups(3)[:4]:
+            hand_over(opt, names, rank_grads(TINY, seed, comm.rank))
+        opt.zero_grad()
+        problems += [f"overlap={overlap}: {p}" for p in play(opt, ref, lambda s: [
+            reverse_groups(7 + s)], 2)]  # fmt: skip
+    verdict(problems, f"stage {stage}")
 
 
 # -- 1. every stage, every layout: the reference --------------------------------------------
@@ -317,6 +344,7 @@ def test_stage_3_gathers_one_bucket_at_a_time(comm: MPI.Intracomm) -> None:
         released(f"after step {step}")
     with opt.gathered("b") as p, opt.gradients("b"):  # gradients() may nest in gathered()
         check(p, ["b"], "gathered('b') after the steps")
+    opt.zero_grad()  # completes the reduction that handing 'b' over started
     released("at the end")
     if opt.memory_buffers() != buffers:
         problems.append(f"buffers changed: {opt.memory_buffers()} vs {buffers}")
@@ -488,8 +516,11 @@ def test_deferred_init_failure_raises_on_every_rank(comm: MPI.Intracomm, stage: 
 # -- 6. memory and traffic per stage ---------------------------------------------------------
 
 
-def stage_usage(stage: int, dtype: np.dtype, buckets: list[int], size: int, rank: int) -> dict:
-    """Bytes per category (scratch aside) from the bucket sizes and ``shard_counts``."""
+def stage_usage(
+    stage: int, dtype: np.dtype, buckets: list[int], size: int, rank: int, slots: int = 2
+) -> dict:
+    """Bytes per category (scratch aside) from the bucket sizes and ``shard_counts``;
+    ``slots`` staging buckets (2 with ``overlap``, the default)."""
     item = dtype.itemsize
     full = sum(buckets) * item
     shard = sum(shard_counts(b, size)[0][rank] for b in buckets) * item
@@ -500,9 +531,9 @@ def stage_usage(stage: int, dtype: np.dtype, buckets: list[int], size: int, rank
         1: {"parameter_partitions": full, "gradient_partitions": full,
             "optimizer_states": 2 * shard, "communication_buffers": 0},
         2: {"parameter_partitions": full, "gradient_partitions": shard,
-            "optimizer_states": 2 * shard, "communication_buffers": biggest},
+            "optimizer_states": 2 * shard, "communication_buffers": slots * biggest},
         3: {"parameter_partitions": shard, "gradient_partitions": shard,
-            "optimizer_states": 2 * shard, "communication_buffers": 2 * biggest},
+            "optimizer_states": 2 * shard, "communication_buffers": (slots + 1) * biggest},
     }[stage]  # fmt: skip
 
 
@@ -519,20 +550,26 @@ SHARDED = {
 @pytest.mark.parametrize("stage", STAGES)
 def test_memory_usage_per_stage(comm: MPI.Intracomm, stage: int, dtype: np.dtype) -> None:
     """Stage 0: everything full. 1: parameters and gradients full, Adam moments
-    sharded. 2: parameters full, gradients and moments sharded, plus one staging
-    bucket of the largest bucket's size. 3: everything sharded, plus one staging and
-    one gather bucket. Sharded categories sum over ranks to the model exactly: no
-    padding."""
+    sharded. 2: parameters full, gradients and moments sharded, plus two staging
+    buckets of the largest bucket's size (one with overlap=False). 3: everything
+    sharded, plus the staging and one gather bucket. Sharded categories sum over
+    ranks to the model exactly: no padding."""
     spec = spec_of({n: s for n, (s, _) in TINY.items()}, dtype)
     params = make_params(spec, seed=29)
     full = sum(p.nbytes for p in params.values())
     problems = []
-    for bucket_elems in (7, LARGE) if stage < 3 else (LARGE,):
-        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems)
+    cases = [(7, True), (LARGE, True), (LARGE, False)] if stage < 3 else [(LARGE, True)]
+    if stage == 3:
+        cases.append((LARGE, False))
+    for bucket_elems, overlap in cases:
+        opt = ZeroOptimizer(
+            params, comm=comm, stage=stage, bucket_elems=bucket_elems, overlap=overlap
+        )
         buckets = bucket_sizes(spec, bucket_elems, stage)[dtype]
-        want = stage_usage(stage, dtype, buckets, comm.size, comm.rank)
+        slots = 2 if overlap else 1
+        want = stage_usage(stage, dtype, buckets, comm.size, comm.rank, slots)
         usage = opt.memory_usage()
-        what = f"bucket_elems={bucket_elems}"
+        what = f"bucket_elems={bucket_elems} overlap={overlap}"
         problems += [
             f"{what}: {cat} {usage.get(cat)} bytes, want {value}"
             for cat, value in want.items()
@@ -543,7 +580,8 @@ def test_memory_usage_per_stage(comm: MPI.Intracomm, stage: int, dtype: np.dtype
         }
         names = {2: ["grad_bucket"], 3: ["grad_bucket", "param_bucket"]}.get(stage, [])
         biggest = max(buckets) * dtype.itemsize
-        if comm_buffers != {f"{n}.{dtype.name}": biggest for n in names}:
+        sizes = {"grad_bucket": slots * biggest, "param_bucket": biggest}
+        if comm_buffers != {f"{n}.{dtype.name}": sizes[n] for n in names}:
             problems.append(f"{what}: communication buffers {comm_buffers}")
         sums = comm.allreduce(np.array([usage[cat] for cat in SHARDED[stage]], dtype=np.int64))
         for cat, total in zip(SHARDED[stage], sums, strict=True):

@@ -50,15 +50,21 @@ class PlannedBuffer(NamedTuple):
         return self.count * self.dtype.itemsize
 
 
-def buffer_plan(layout: Layout, stage: int) -> list[PlannedBuffer]:
+#: Staging slots of stages 2-3 with ``overlap``: one bucket is reduced while the next
+#: one's gradients are being added.
+OVERLAP_SLOTS = 2
+
+
+def buffer_plan(layout: Layout, stage: int, overlap: bool = True) -> list[PlannedBuffer]:
     """Every buffer a ``ZeroOptimizer`` of ``stage`` allocates at construction on the
     rank of ``layout``, in allocation order: the one description that the optimizer
     allocates from and :mod:`zerompi.memory` estimates from.
 
     Per dtype: the parameters (full in stages 0-2, the shard in 3), the gradients
-    (full in 0-1, the shard in 2-3), one bucket of gradient staging (2-3) and of
-    parameter gathering (3), the two Adam moments over what Adam runs on (everything
-    in stage 0, the shard otherwise) and the Adam kernel's scratch block.
+    (full in 0-1, the shard in 2-3), gradient staging (2-3: two buckets with
+    ``overlap``, else one), one bucket of parameter gathering (3), the two Adam
+    moments over what Adam runs on (everything in stage 0, the shard otherwise) and
+    the Adam kernel's scratch block.
     """
     plan: list[PlannedBuffer] = []
     for dtype, size in layout.sizes.items():
@@ -73,7 +79,10 @@ def buffer_plan(layout: Layout, stage: int) -> list[PlannedBuffer]:
         if stage >= 2:
             plan.append(
                 PlannedBuffer(
-                    "grad_bucket", dtype, layout.max_bucket(dtype), "communication_buffers"
+                    "grad_bucket",
+                    dtype,
+                    layout.max_bucket(dtype) * (OVERLAP_SLOTS if overlap else 1),
+                    "communication_buffers",
                 )
             )
         if stage == 3:

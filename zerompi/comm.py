@@ -33,6 +33,26 @@ def _mpi_type(array: np.ndarray) -> MPI.Datatype:
     return _MPI_TYPES[array.dtype]
 
 
+class Pending:
+    """A started nonblocking collective and the array it delivers. MPI owns the
+    buffers until :meth:`wait` (or :meth:`Comm.wait_all`) returns."""
+
+    __slots__ = ("request", "result")
+
+    def __init__(self, request: MPI.Request, result: np.ndarray) -> None:
+        self.request = request
+        self.result = result
+
+    def wait(self) -> np.ndarray:
+        """Complete the collective (a no-op once complete) and return its array."""
+        self.request.Wait()
+        return self.result
+
+    def done(self) -> bool:
+        """Whether it has completed; advances MPI progress."""
+        return bool(self.request.Test())
+
+
 class Comm:
     """The communicator zerompi runs on, with the collectives it needs."""
 
@@ -97,6 +117,67 @@ class Comm:
         mine = counts[self.rank]
         size = buf.itemsize
         self._count("allgather", (self.size - 1) * mine * size, (sum(counts) - mine) * size)
+
+    # -- nonblocking data path: the same collectives, started now, completed later --
+
+    def ireduce_scatter(
+        self, buf: np.ndarray, counts: Sequence[int], out: np.ndarray | None = None
+    ) -> Pending:
+        """Start :meth:`reduce_scatter_inplace` of ``buf``; with ``out`` (this rank's
+        ``counts[rank]`` elements, not overlapping ``buf``) the shard lands there
+        instead, which saves a copy. ``Pending.wait()`` returns the shard. Neither
+        buffer may be touched until then."""
+        if sum(counts) != buf.shape[0]:
+            raise ValueError(f"counts {list(counts)} do not sum to the {buf.shape[0]} elements")
+        mine = counts[self.rank]
+        if out is None:
+            out = buf[:mine]
+            request = self.mpi.Ireduce_scatter(
+                MPI.IN_PLACE, [buf, _mpi_type(buf)], recvcounts=list(counts), op=MPI.SUM
+            )
+        else:
+            if out.shape != (mine,) or out.dtype != buf.dtype:
+                raise ValueError(
+                    f"out must be {mine} elements of {buf.dtype}, got {out.shape} {out.dtype}"
+                )
+            request = self.mpi.Ireduce_scatter(
+                [buf, _mpi_type(buf)], [out, _mpi_type(out)], recvcounts=list(counts), op=MPI.SUM
+            )
+        size = buf.itemsize
+        self._count("reduce_scatter", (buf.shape[0] - mine) * size, (self.size - 1) * mine * size)
+        return Pending(request, out)
+
+    def iallgatherv(self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int]) -> Pending:
+        """Start :meth:`allgatherv_inplace`; ``buf`` is complete after ``wait()``."""
+        self._check_fits(buf, counts, displs)
+        request = self.mpi.Iallgatherv(
+            MPI.IN_PLACE, [buf, list(counts), list(displs), _mpi_type(buf)]
+        )
+        mine = counts[self.rank]
+        size = buf.itemsize
+        self._count("allgather", (self.size - 1) * mine * size, (sum(counts) - mine) * size)
+        return Pending(request, buf)
+
+    def iallreduce(self, buf: np.ndarray) -> Pending:
+        """Start :meth:`allreduce_inplace`; ``buf`` holds the sum after ``wait()``."""
+        request = self.mpi.Iallreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM)
+        volume = 2 * buf.nbytes * (self.size - 1) // self.size if self.size > 1 else 0
+        self._count("allreduce", volume, volume)
+        return Pending(request, buf)
+
+    @staticmethod
+    def progress(pending: Sequence[Pending]) -> None:
+        """Let the MPI library advance started collectives without waiting for them.
+        Without an asynchronous progress thread, MPI moves data only inside MPI calls:
+        the engine calls this between blocks of other work."""
+        if pending:
+            MPI.Request.Testall([p.request for p in pending])
+
+    @staticmethod
+    def wait_all(pending: Sequence[Pending]) -> None:
+        """Complete every started collective in ``pending``."""
+        if pending:
+            MPI.Request.Waitall([p.request for p in pending])
 
     def allreduce_inplace(self, buf: np.ndarray) -> None:
         """Sum ``buf`` over ranks, in place, on every rank (plain data parallelism).

@@ -39,13 +39,14 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from .adam import AdamConfig, adam_step, finite_real, grad_stats
-from .buffers import BufferPool, buffer_plan, full_grads_plan
-from .comm import CollectiveError, Comm, check_world, install_abort_hook
+from .buffers import OVERLAP_SLOTS, BufferPool, buffer_plan, full_grads_plan
+from .comm import CollectiveError, Comm, Pending, check_world, install_abort_hook
 from .partition import (
     DEFAULT_BUCKET_ELEMS,
     SUPPORTED_DTYPES,
@@ -57,6 +58,21 @@ from .partition import (
 
 PHASES = ("reduce_scatter", "adam", "allgather")
 NONFINITE = ("skip", "raise")
+
+#: Elements per Adam call in ``step()``: between calls, MPI advances the gathers of
+#: the buckets already updated (without a progress thread, it moves data only inside
+#: MPI calls). ~1 MiB of float32: far above the per-call cost, well below a bucket.
+ADAM_CHUNK = 1 << 18
+
+
+class _Reduction(NamedTuple):
+    """A started reduce-scatter of bucket ``index``: into the shard directly
+    (``add=False``, its first of the step) or in place, to be added to the shard."""
+
+    index: int
+    pending: Pending
+    add: bool
+    slot: int | None  # staging slot it reads, or None
 
 
 def _check_failure_settings(max_norm: object, nonfinite: object) -> float | None:
@@ -169,6 +185,7 @@ class ZeroOptimizer:
         group_of: Callable[[str], str] = default_group,
         max_norm: float | None = None,
         nonfinite: str = "skip",
+        overlap: bool = True,
     ) -> None:
         self.comm = Comm(comm)
         install_abort_hook()  # an uncaught exception on any rank aborts the whole job
@@ -189,6 +206,8 @@ class ZeroOptimizer:
             keys = [group_of(name) for name, _, _ in specs]
             self.max_norm = _check_failure_settings(max_norm, nonfinite)
             self.nonfinite = nonfinite
+            if not isinstance(overlap, bool):
+                raise TypeError(f"overlap must be a bool, got {overlap!r:.60}")
         except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         self.comm.agree(error)
@@ -203,7 +222,9 @@ class ZeroOptimizer:
         self.comm.check_same(
             (self.max_norm, self.nonfinite), "the failure settings (max_norm, nonfinite)"
         )
+        self.comm.check_same(overlap, "overlap")
         self.stage = stage
+        self.overlap = overlap
         self.step_count = 0
         #: Steps skipped because the averaged gradient was not finite (step_count
         #: does not count them).
@@ -216,6 +237,9 @@ class ZeroOptimizer:
         self._micro_batches = 0
         self._reductions = [0] * len(self.layout.buckets)  # per bucket, this step
         self._open: int | None = None  # bucket whose gradients fill the staging buffer
+        self._slots = OVERLAP_SLOTS if overlap else 1  # staging buckets (stages 2-3)
+        self._slot = 0  # the open bucket's staging slot
+        self._inflight: list[_Reduction] = []  # started reductions, oldest first
         self._pending: set[str] = set()  # its parameters not handed over yet
         self._gathered: int | None = None  # stage 3: bucket in the gather buffer
         self._full_grads: dict[np.dtype, np.ndarray] | None = None  # stage 2 opt.grads
@@ -244,7 +268,8 @@ class ZeroOptimizer:
             "exp_avg_sq": self._exp_avg_sq,
             "scratch": self._scratch,
         }
-        for buf in buffer_plan(layout, stage):  # the plan zerompi.memory estimates from
+        # The plan zerompi.memory estimates from:
+        for buf in buffer_plan(layout, stage, self.overlap):
             stores[buf.kind][buf.dtype] = pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
         self._specs = {spec.name: spec for spec in layout.params}
         if stage <= 2:
@@ -363,7 +388,7 @@ class ZeroOptimizer:
         buf = self._gather[bucket.dtype][: bucket.size]
         start = time.perf_counter()
         buf[slice(*bucket.local(self.comm.rank))] = self._shard_of(self._flat, index)
-        self.comm.allgatherv_inplace(buf, bucket.counts, bucket.displs)
+        self.comm.iallgatherv(buf, bucket.counts, bucket.displs).wait()
         self.timings["allgather"] += time.perf_counter() - start
         self._gathered = index
         try:
@@ -384,12 +409,16 @@ class ZeroOptimizer:
         index = self._single_bucket(resolved, "gradients")
         if self._open != index:
             self._flush()
-            bucket = self.layout.buckets[index]
-            self._staging[bucket.dtype][: bucket.size].fill(0)
+            slot = (self._slot + 1) % self._slots
+            self._release_slot(slot)
+            self._slot = slot
+            self._staging_of(index).fill(0)
             self._open = index
-            self._pending = set(bucket.names)
+            self._pending = set(self.layout.buckets[index].names)
+        elif self._inflight:
+            self._progress()
         bucket = self.layout.buckets[index]
-        buf = self._staging[bucket.dtype][: bucket.size]
+        buf = self._staging_of(index)
         yield {n: self._bucket_view(buf, bucket, n) for n in resolved}
         self._pending.difference_update(resolved)
         if not self._pending:
@@ -409,30 +438,58 @@ class ZeroOptimizer:
             )
         return indices.pop()
 
+    def _staging_of(self, index: int) -> np.ndarray:
+        """The open staging slot, sized for bucket ``index``."""
+        bucket = self.layout.buckets[index]
+        lo = self._slot * self.layout.max_bucket(bucket.dtype)
+        return self._staging[bucket.dtype][lo : lo + bucket.size]
+
     def _flush(self) -> None:
-        """Reduce-scatter the open staging bucket into the gradient shard."""
+        """Start reducing the open staging bucket into the gradient shard."""
         if self._open is None:
             return
         index, self._open = self._open, None
-        bucket = self.layout.buckets[index]
-        self._reduce_into_shard(index, self._staging[bucket.dtype][: bucket.size])
+        self._start_reduction(index, self._staging_of(index), self._slot)
 
-    def _reduce_into_shard(self, index: int, buf: np.ndarray) -> None:
+    def _start_reduction(self, index: int, buf: np.ndarray, slot: int | None) -> None:
+        """Collective: start reduce-scattering ``buf`` (bucket ``index``) into its
+        gradient shard; :meth:`_complete` finishes it. The first reduction of a
+        step lands in the shard directly, later ones (micro-batches) are added."""
         start = time.perf_counter()
         bucket = self.layout.buckets[index]
-        reduced = self.comm.reduce_scatter_inplace(buf, bucket.counts)
-        target = self._shard_of(self._grad, index)
-        if self._reductions[index] == 0:
-            np.copyto(target, reduced)
-        else:
-            np.add(target, reduced, out=target)
+        add = self._reductions[index] > 0
+        out = None if add else self._shard_of(self._grad, index)
+        pending = self.comm.ireduce_scatter(buf, bucket.counts, out=out)
+        self._inflight.append(_Reduction(index, pending, add, slot))
         self._reductions[index] += 1
+        self.timings["reduce_scatter"] += time.perf_counter() - start
+
+    def _complete(self, upto: int) -> None:
+        """Finish the ``upto`` oldest started reductions, in the order started."""
+        start = time.perf_counter()
+        done, self._inflight = self._inflight[:upto], self._inflight[upto:]
+        for reduction in done:
+            reduced = reduction.pending.wait()
+            if reduction.add:
+                target = self._shard_of(self._grad, reduction.index)
+                np.add(target, reduced, out=target)
+        self.timings["reduce_scatter"] += time.perf_counter() - start
+
+    def _release_slot(self, slot: int) -> None:
+        """Wait until no started reduction still reads staging slot ``slot``."""
+        last = max((i for i, r in enumerate(self._inflight) if r.slot == slot), default=-1)
+        self._complete(last + 1)
+
+    def _progress(self) -> None:
+        start = time.perf_counter()
+        self.comm.progress([r.pending for r in self._inflight])
         self.timings["reduce_scatter"] += time.perf_counter() - start
 
     # -- training --------------------------------------------------------------
 
     def zero_grad(self) -> None:
         """Discard every gradient added or accumulated since the last step."""
+        self._complete(len(self._inflight))  # MPI must be done with the buffers first
         for store in (self._grad, self._full_grads or {}):
             for grad in store.values():
                 grad.fill(0)
@@ -457,9 +514,10 @@ class ZeroOptimizer:
             self._full_grads_everywhere = True
         if self._full_grads is not None:  # stage 2 with opt.grads: reduce every bucket
             for index, bucket in enumerate(self.layout.buckets):
-                self._reduce_into_shard(
-                    index, self._full_grads[bucket.dtype][bucket.start : bucket.stop]
+                self._start_reduction(
+                    index, self._full_grads[bucket.dtype][bucket.start : bucket.stop], None
                 )
+            self._complete(len(self._inflight))
             for grad in self._full_grads.values():
                 grad.fill(0)
 
@@ -477,25 +535,37 @@ class ZeroOptimizer:
         divisor = float(self.comm.size * self._micro_batches)
         clock = time.perf_counter
         rank = self.comm.rank
-        # (a) Every reduction: afterwards each bucket's summed gradient is in `grad`,
-        # of which this rank counts `local` (its shard) in the global statistics.
+        # (a) Every reduction, started at once (stages 2-3 started theirs as gradients
+        # were handed over), then completed bucket by bucket: afterwards each bucket's
+        # summed gradient is in `grad`, of which this rank counts `local` (its shard)
+        # in the global statistics, taken as soon as the bucket is complete.
         t0 = clock()
-        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, slice]] = []
+        spent = self.timings["reduce_scatter"]
+        started: list[Pending] = []
+        if self.stage <= 1:
+            for bucket in self.layout.buckets:
+                full = self._grad[bucket.dtype][bucket.start : bucket.stop]
+                if self.stage == 0:
+                    started.append(self.comm.iallreduce(full))
+                else:
+                    started.append(self.comm.ireduce_scatter(full, bucket.counts))
+        # [non-finite count, sum of squares, step count, micro-batches] of this rank
+        stats = np.array([0.0, 0.0, self.step_count, self._micro_batches])
+        parts: list[tuple[np.ndarray, np.ndarray, slice]] = []
         for index, bucket in enumerate(self.layout.buckets):
             dtype = bucket.dtype
             lo, hi = bucket.local(rank)
             if self.stage == 0:
-                grad = self._grad[dtype][bucket.start : bucket.stop]
-                self.comm.allreduce_inplace(grad)
+                grad = started[index].wait()
                 local = grad[lo:hi]  # every rank holds it all; count each element once
                 param = self._flat[dtype][bucket.start : bucket.stop]
                 moments = slice(bucket.start, bucket.stop)
             else:
                 if self.stage == 1:
-                    grad = self.comm.reduce_scatter_inplace(
-                        self._grad[dtype][bucket.start : bucket.stop], bucket.counts
-                    )
+                    grad = started[index].wait()
                 else:
+                    last = [i for i, r in enumerate(self._inflight) if r.index == index]
+                    self._complete(last[-1] + 1 if last else 0)
                     grad = self._shard_of(self._grad, index)
                     if self._reductions[index] == 0:
                         grad.fill(0)  # nothing was handed over: a zero gradient
@@ -505,15 +575,12 @@ class ZeroOptimizer:
                 else:
                     param = self._flat[dtype][bucket.start + lo : bucket.start + hi]
                 moments = slice(bucket.shard_offset, bucket.shard_offset + hi - lo)
-            parts.append((grad, local, param, moments))
-        # (b) One small collective: non-finite count and sum of squares over all ranks,
-        # summed in rank order so that every rank reaches the same decision.
-        # [non-finite count, sum of squares, step count, micro-batches] of this rank
-        stats = np.array([0.0, 0.0, self.step_count, self._micro_batches])
-        for (_, local, _, _), bucket in zip(parts, self.layout.buckets, strict=True):
-            bad, sumsq = grad_stats(local, self._scratch[bucket.dtype])
+            parts.append((grad, param, moments))
+            bad, sumsq = grad_stats(local, self._scratch[dtype])
             stats[0] += bad
             stats[1] += sumsq
+        # (b) One small collective: non-finite count and sum of squares over all ranks,
+        # summed in rank order so that every rank reaches the same decision.
         gathered = self.comm.allgather_float64(stats)
         for column, what in ((2, "step count"), (3, "number of micro-batches")):
             if (gathered[:, column] != gathered[0, column]).any():  # every rank sees this
@@ -529,7 +596,7 @@ class ZeroOptimizer:
         except (OverflowError, ValueError):  # inf - inf, or finite terms overflowing
             sumsq = math.inf if not np.isnan(gathered[:, 1]).any() else math.nan
         self.last_grad_norm = math.sqrt(sumsq) / divisor
-        self.timings["reduce_scatter"] += clock() - t0
+        self.timings["reduce_scatter"] = spent + clock() - t0  # _complete counted within
         if nonfinite:  # (c) skip on every rank alike
             self.skipped_steps += 1
             for store in (self._grad, self._full_grads or {}):
@@ -548,28 +615,41 @@ class ZeroOptimizer:
         if self.max_norm is not None and self.last_grad_norm > self.max_norm:
             divisor /= self.max_norm / (self.last_grad_norm + 1e-6)
         self.step_count += 1
-        # (e) Adam on this rank's part, then (stages 1-2) gather, bucket by bucket.
-        for (grad, _, param, moments), bucket in zip(parts, self.layout.buckets, strict=True):
+        # (e) Adam on this rank's part, bucket by bucket, in chunks; (stages 1-2) each
+        # bucket's gather starts as soon as its part is updated and advances between
+        # the chunks of the next buckets' Adam.
+        gathers: list[Pending] = []
+        adam_s = gather_s = 0.0
+        step_count, config = self.step_count, self.config
+        for (grad, param, moments), bucket in zip(parts, self.layout.buckets, strict=True):
             dtype = bucket.dtype
-            t1 = clock()
-            adam_step(
-                param,
-                grad,
-                self._exp_avg[dtype][moments],
-                self._exp_avg_sq[dtype][moments],
-                self.step_count,
-                self.config,
-                self._scratch[dtype],
-                divisor,
-            )
-            t2 = clock()
+            exp_avg = self._exp_avg[dtype][moments]
+            exp_avg_sq = self._exp_avg_sq[dtype][moments]
+            scratch = self._scratch[dtype]
+            for lo in range(0, param.shape[0], ADAM_CHUNK):
+                hi = lo + ADAM_CHUNK
+                t1 = clock()
+                adam_step(
+                    param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
+                    step_count, config, scratch, divisor,
+                )  # fmt: skip
+                t2 = clock()
+                adam_s += t2 - t1
+                if gathers:
+                    self.comm.progress(gathers)
+                    gather_s += clock() - t2
             if self.stage in (1, 2):
-                self.comm.allgatherv_inplace(
-                    self._flat[dtype][bucket.start : bucket.stop], bucket.counts, bucket.displs
+                t2 = clock()
+                gathers.append(
+                    self.comm.iallgatherv(
+                        self._flat[dtype][bucket.start : bucket.stop], bucket.counts, bucket.displs
+                    )
                 )
-            t3 = clock()
-            self.timings["adam"] += t2 - t1
-            self.timings["allgather"] += t3 - t2
+                gather_s += clock() - t2
+        t2 = clock()
+        self.comm.wait_all(gathers)
+        self.timings["adam"] += adam_s
+        self.timings["allgather"] += gather_s + clock() - t2
         if self.stage <= 1:
             for grad in self._grad.values():
                 grad.fill(0)  # consumed (stage 1 reduced it in place)

@@ -116,11 +116,13 @@ def estimate(
     group_of: Callable[[str], str] = default_group,
     *,
     full_grads: bool = False,
+    overlap: bool = True,
 ) -> dict[str, Any]:
     """The memory of ``ZeroOptimizer`` on ``rank`` of ``world_size``, without MPI.
 
     ``specs`` are the parameters' ``(name, shape, dtype)`` in the mapping's order;
-    ``stage``, ``bucket_elems`` and ``group_of`` are the optimizer's arguments.
+    ``stage``, ``bucket_elems``, ``group_of`` and ``overlap`` are the optimizer's
+    arguments.
     ``full_grads`` adds the stage-2 full gradient buffer that ``opt.grads``
     allocates on first use (ignored in other stages, which allocate nothing there).
 
@@ -138,7 +140,7 @@ def estimate(
     """
     checked = check_specs(specs)
     layout = optimizer_layout(checked, world_size, rank, stage, bucket_elems, group_of)
-    plan = buffer_plan(layout, stage)
+    plan = buffer_plan(layout, stage, overlap)
     if full_grads and stage == 2:
         plan += full_grads_plan(layout)
     usage = dict.fromkeys(CATEGORIES, 0)
@@ -174,6 +176,7 @@ def estimate_max(
     group_of: Callable[[str], str] = default_group,
     *,
     full_grads: bool = False,
+    overlap: bool = True,
 ) -> dict[str, Any]:
     """The maximum over ranks of every figure of :func:`estimate`: rank 0's.
 
@@ -183,7 +186,9 @@ def estimate_max(
     rank 0 holds the most in every category and every buffer at once (this is what
     the driver's per-category ``max`` over ranks reports).
     """
-    return estimate(specs, world_size, 0, stage, bucket_elems, group_of, full_grads=full_grads)
+    return estimate(
+        specs, world_size, 0, stage, bucket_elems, group_of, full_grads=full_grads, overlap=overlap
+    )
 
 
 def flat_specs(params: int, layer_elems: int, dtype: Any = np.float32) -> list[Spec]:
@@ -312,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="stage 2: include the full gradient buffer that opt.grads allocates on first "
         "use (a model that hands gradients over with opt.gradients() never has it)",
     )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="the optimizer's overlap=False: one staging bucket instead of two (stages 2-3)",
+    )
     p.add_argument("--per-rank", action="store_true", help="also give the figures of every rank")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
@@ -388,7 +398,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.layer_elems is not None and args.params is None:
         parser.error("--layer-elems only applies to --params")
     specs, model = _specs_from_args(args)
-    options = {"bucket_elems": args.bucket_elems, "full_grads": args.full_grads}
+    options = {
+        "bucket_elems": args.bucket_elems,
+        "full_grads": args.full_grads,
+        "overlap": not args.no_overlap,
+    }
     result = estimate_max(specs, args.world, args.stage, **options)
     per_rank = None
     if args.per_rank:
