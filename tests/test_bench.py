@@ -1,0 +1,47 @@
+"""``python -m zerompi.bench`` end to end: a tiny run under a subprocess mpiexec.
+
+Serial only (``mpi_skip``): launching mpiexec from inside an mpiexec'd test is not
+portable. Only the JSON's shape is checked, never a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_harness import mpiexec
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.mark.mpi_skip
+def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.bench"]
+    cmd += ["--sizes", "1000,5", "--steps", "2", "--warmup", "1", "--no-torch"]
+    cmd += ["--json", str(out), "--blas-threads", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    results = json.loads(out.read_text())
+    assert results["world_size"] == 2
+    assert {"mpi_library", "kernel", "roofline", "argv", "rows"} <= set(results)
+    assert results["kernel"]["n"] == 1000  # the largest kernel measurement
+    assert results["kernel"]["elems_per_s"] > 0
+    assert results["roofline"]["adam_roofline_elems_per_s"] > 0
+    rows = results["rows"]
+    assert sorted((r["params"], r["stage"]) for r in rows) == [
+        (p, s) for p in (5, 1000) for s in range(4)
+    ]
+    for row in rows:
+        assert row["world_size"] == 2
+        assert row["step_ms"] > 0 and row["baseline_ms"] > 0
+        assert set(row["phase_ms"]) == {"reduce_scatter", "adam", "allgather"}
+        assert {"impl", "elems_per_s", "torch_fused_elems_per_s", "ratio"} <= set(row["kernel"])
+        assert "torch" not in row  # --no-torch
+    # The plot is optional: written beside the JSON, or a note that matplotlib is missing.
+    assert out.with_suffix(".png").exists() or "matplotlib not installed" in text
+    assert "stage" in proc.stdout and "kernel" in proc.stdout
