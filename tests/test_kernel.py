@@ -112,3 +112,35 @@ def test_kernel_choice_is_validated():
         adam._choose_kernel("fast")
     assert adam._choose_kernel("numpy") == "numpy"
     assert adam.KERNEL in ("c", "numpy")
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_c_grad_stats_agree_with_numpy(dtype, n):
+    """Same count, same sum up to float32 chunk rounding (C sums every square in
+    float64; numpy's dot sums a chunk in the array's dtype)."""
+    g = _arrays(n, dtype, seed=n)[1]
+    scratch = np.empty(64, dtype)
+    bad_c, sum_c = adam.grad_stats(g, scratch, kernel="c")
+    bad_np, sum_np = adam.grad_stats(g, scratch, kernel="numpy")
+    exact = float(np.sum(g.astype(np.float64) ** 2))
+    assert bad_c == bad_np == 0
+    assert sum_c == pytest.approx(exact, rel=1e-12, abs=0)
+    assert sum_np == pytest.approx(exact, rel=1e-5 if dtype == np.float32 else 1e-12, abs=0)
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_c_grad_stats_count_nonfinite_and_survive_overflow(dtype):
+    g = np.ones(1000, dtype)
+    g[[3, 500, 999]] = [np.nan, np.inf, -np.inf]
+    bad, total = adam.grad_stats(g, np.empty(64, dtype), kernel="c")
+    assert bad == 3 and not np.isfinite(total)
+    # Finite values whose squares overflow the dtype: float32's sum fits a float64;
+    # float64's does not, and both kernels say inf without counting a bad element.
+    big = np.full(100, 1e20 if dtype == np.float32 else 1e200, dtype)
+    for kernel in ("c", "numpy"):
+        bad, total = adam.grad_stats(big, np.empty(64, dtype), kernel=kernel)
+        want = 100 * float(big[0]) ** 2 if dtype == np.float32 else np.inf
+        assert bad == 0 and total == pytest.approx(want, rel=1e-6), kernel

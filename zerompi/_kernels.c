@@ -129,8 +129,62 @@ done:
     return result;
 }
 
+#define LANES 16
+#define STATS_LOOP(T)                                                               \
+    CLONES static void stats_##T(const T *restrict g, Py_ssize_t n,                  \
+                                 Py_ssize_t *nonfinite, double *sumsq) {             \
+        double acc[LANES] = {0.0}, total = 0.0;                                    \
+        Py_ssize_t bad = 0, i = 0;                                                 \
+        for (; i + LANES <= n; i += LANES)  /* LANES partial sums: vectorizable */ \
+            for (int j = 0; j < LANES; j++) {                                      \
+                const double x = (double)g[i + j];                                 \
+                acc[j] += x * x;                                                   \
+            }                                                                      \
+        for (; i < n; i++) total += (double)g[i] * (double)g[i];                   \
+        for (int j = 0; j < LANES; j++) total += acc[j];                           \
+        if (!isfinite(total))                                                      \
+            for (Py_ssize_t i = 0; i < n; i++) bad += !isfinite(g[i]);             \
+        *nonfinite = bad;                                                          \
+        *sumsq = total;                                                            \
+    }
+
+STATS_LOOP(float)
+STATS_LOOP(double)
+
+PyDoc_STRVAR(grad_stats_doc,
+"grad_stats(grad) -> (nonfinite, sumsq)\n\n"
+"Sum of squares of a contiguous float32/float64 array, accumulated in float64 in\n"
+"one pass, and the number of non-finite elements (counted only when the sum is\n"
+"not finite). A float64 array of finite values may overflow the sum: the caller\n"
+"rescales then.");
+
+static PyObject *
+grad_stats(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    if (get_vector(arg, &view, 0, "grad") < 0) return NULL;
+    char kind = element_kind(&view);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "grad must be float32 or float64, got format '%s'",
+                     view.format);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    Py_ssize_t n = view.len / view.itemsize, bad = 0;
+    double total = 0.0;
+    Py_BEGIN_ALLOW_THREADS
+    if (kind == 'f')
+        stats_float(view.buf, n, &bad, &total);
+    else
+        stats_double(view.buf, n, &bad, &total);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(nd)", bad, total);
+}
+
 static PyMethodDef methods[] = {
     {"adam", adam, METH_VARARGS, adam_doc},
+    {"grad_stats", grad_stats, METH_O, grad_stats_doc},
     {NULL, NULL, 0, NULL},
 };
 

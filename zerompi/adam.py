@@ -173,16 +173,26 @@ def adam_step(
 STATS_CHUNK = 4096
 
 
-def grad_stats(grad: np.ndarray, scratch: np.ndarray) -> tuple[int, float]:
+def grad_stats(
+    grad: np.ndarray, scratch: np.ndarray, kernel: str | None = None
+) -> tuple[int, float]:
     """``(non-finite elements, sum of squares)`` of a 1-D view, read only.
 
-    Chunk by chunk with ``np.dot`` (which allocates nothing), summed in float64.
+    The C kernel sums the squares in float64 in one pass. The numpy one goes chunk
+    by chunk with ``np.dot`` (which allocates nothing), summed in float64.
     Elements are counted only in a chunk whose dot product is not finite; a chunk of
     finite values whose squares overflow its dtype is rescaled by its largest
     magnitude into ``scratch`` (chunks are at most ``len(scratch)`` long) and summed
     again. The sum is ``inf`` or ``nan`` exactly when the count
     is not zero.
     """
+    if kernel is not None and kernel != KERNEL:
+        kernel = _choose_kernel(kernel)
+    if (kernel or KERNEL) == "c" and grad.flags.c_contiguous:
+        nonfinite, total = _kernels.grad_stats(grad)  # one pass, summed in float64
+        if nonfinite or math.isfinite(total):
+            return nonfinite, total
+        # finite float64 values whose squares overflow: the rescaling path below
     nonfinite = 0
     total = 0.0
     chunk = max(1, min(STATS_CHUNK, scratch.shape[0]))
