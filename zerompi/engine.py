@@ -65,6 +65,13 @@ NONFINITE = ("skip", "raise")
 ADAM_CHUNK = 1 << 18
 
 
+#: Stage 0-1 reductions in flight at once in ``step()``: bucket i+2 starts when bucket
+#: i is complete. Starting all of them at once measured as slow as one collective on
+#: the whole buffer (2.5x slower than bucket by bucket at 64M parameters): MPICH works
+#: on all of them together and the working set leaves the cache.
+REDUCE_WINDOW = 2
+
+
 class _Reduction(NamedTuple):
     """A started reduce-scatter of bucket ``index``: into the shard directly
     (``add=False``, its first of the step) or in place, to be added to the shard."""
@@ -535,34 +542,42 @@ class ZeroOptimizer:
         divisor = float(self.comm.size * self._micro_batches)
         clock = time.perf_counter
         rank = self.comm.rank
-        # (a) Every reduction, started at once (stages 2-3 started theirs as gradients
-        # were handed over), then completed bucket by bucket: afterwards each bucket's
+        # (a) Every reduction, REDUCE_WINDOW buckets in flight (stages 2-3 started theirs
+        # as gradients were handed over), completed bucket by bucket: afterwards each bucket's
         # summed gradient is in `grad`, of which this rank counts `local` (its shard)
         # in the global statistics, taken as soon as the bucket is complete.
         t0 = clock()
         spent = self.timings["reduce_scatter"]
-        started: list[Pending] = []
-        if self.stage <= 1:
-            for bucket in self.layout.buckets:
+        started: dict[int, Pending] = {}
+
+        def start(index: int) -> None:  # stages 0-1: reduce bucket `index` of the full grads
+            if self.stage <= 1 and index < len(self.layout.buckets):
+                bucket = self.layout.buckets[index]
                 full = self._grad[bucket.dtype][bucket.start : bucket.stop]
                 if self.stage == 0:
-                    started.append(self.comm.iallreduce(full))
+                    started[index] = self.comm.iallreduce(full)
                 else:
-                    started.append(self.comm.ireduce_scatter(full, bucket.counts))
+                    started[index] = self.comm.ireduce_scatter(full, bucket.counts)
+
+        for index in range(REDUCE_WINDOW):
+            start(index)
         # [non-finite count, sum of squares, step count, micro-batches] of this rank
         stats = np.array([0.0, 0.0, self.step_count, self._micro_batches])
         parts: list[tuple[np.ndarray, np.ndarray, slice]] = []
         for index, bucket in enumerate(self.layout.buckets):
             dtype = bucket.dtype
             lo, hi = bucket.local(rank)
+            if self.stage <= 1:
+                reduced = started.pop(index).wait()
+                start(index + REDUCE_WINDOW)
             if self.stage == 0:
-                grad = started[index].wait()
+                grad = reduced
                 local = grad[lo:hi]  # every rank holds it all; count each element once
                 param = self._flat[dtype][bucket.start : bucket.stop]
                 moments = slice(bucket.start, bucket.stop)
             else:
                 if self.stage == 1:
-                    grad = started[index].wait()
+                    grad = reduced
                 else:
                     last = [i for i, r in enumerate(self._inflight) if r.index == index]
                     self._complete(last[-1] + 1 if last else 0)
