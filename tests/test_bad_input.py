@@ -49,6 +49,9 @@ CONSTRUCTION = [
     ("bucket_elems 0", ValueError, "bucket_elems must be >= 1, got 0", build(bucket_elems=0)),
     ("negative max_norm", ValueError, "max_norm", build(max_norm=-1.0)),
     ("unknown nonfinite policy", ValueError, "nonfinite", build(nonfinite="ignore")),
+    ("overlap not a bool", TypeError, "overlap must be a bool, got 1", build(overlap=1)),
+    ("shared_memory not a bool", TypeError, "shared_memory must be a bool, got 'yes'",
+     build(shared_memory="yes")),
     ("Deferred init of the wrong shape", ValueError, "expected an array of shape (4,)",
      build(params={"w": Deferred((4,), np.float32, lambda: np.ones(5, np.float32))})),
 ]  # fmt: skip

@@ -143,18 +143,24 @@ BUCKETS = {0: [3], 1: [3], 2: [3, LARGE], 3: [1]}  # bucket_elems is moot in sta
 def run_script(comm: MPI.Intracomm, stage: int, script: Script, steps: int = 2) -> list[str]:
     """``script`` against the reference, with two staging slots (``overlap``: a bucket
     may still be reducing while the next fills, or while the same bucket is handed
-    over again) and with one."""
+    over again) and with one, each through MPI and through a shared-memory window."""
     problems = []
+    variants = [(True, False)]
+    if stage >= 2:
+        variants += [(False, False), (True, True), (False, True)]
     for bucket_elems in BUCKETS[stage]:
-        for overlap in (True, False) if stage >= 2 else (True,):
+        for overlap, shared in variants:
             params = make_params(TINY, seed=stage)
             opt = ZeroOptimizer(
                 params, comm=comm, stage=stage, bucket_elems=bucket_elems, overlap=overlap,
-                **HYPER,
+                shared_memory=shared, **HYPER,
             )  # fmt: skip
             ref = ReferenceAdam(params, **HYPER)
-            what = f"bucket_elems={bucket_elems} overlap={overlap}"
+            what = f"bucket_elems={bucket_elems} overlap={overlap} shared_memory={shared}"
+            if opt.shared_memory != shared:  # one node here: the window must be used
+                problems.append(f"{what}: opt.shared_memory is {opt.shared_memory}")
             problems += [f"{what}: {p}" for p in play(opt, ref, script, steps)]
+            opt.close()
     return problems
 
 
@@ -728,3 +734,29 @@ def test_stage_2_grads_used_on_one_rank_only_does_not_hang(comm: MPI.Intracomm) 
         and opt.memory_buffers().get("grads_full.float32") == 32,
         f"params {got}, want {ref.params['l.w']}; buffers {opt.memory_buffers()}",
     )
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
+    """``close()`` frees the window (collective) and refuses further hand-overs on
+    every rank; the ``with`` form closes on exit; memory is accounted the same as
+    without the window; stages 0-1 have nothing to share."""
+    params = make_params(TINY, seed=9)
+    problems = []
+    plain = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=3)
+    with ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=3,
+                       shared_memory=True) as opt:  # fmt: skip
+        if opt.memory_usage() != plain.memory_usage():
+            problems.append(f"usage {opt.memory_usage()} vs {plain.memory_usage()}")
+        hand_over(opt, ("a",), rank_grads(TINY, 0, comm.rank))
+        opt.step()
+    if not opt._closed or opt.pool.windows:
+        problems.append("not closed on exit")
+    _, wrong = raises(RuntimeError, "closed", lambda: enter(opt.gradients("a")), "after close")
+    problems += wrong
+    opt.close()  # twice is harmless
+    plain.close()
+    low = ZeroOptimizer(params, comm=comm, stage=1, shared_memory=True)
+    if low.shared_memory:
+        problems.append("stage 1 claims shared memory")
+    verdict(problems, f"stage {stage}")

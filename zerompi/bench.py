@@ -194,6 +194,12 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch peers")
     p.add_argument(
+        "--no-shared-memory",
+        action="store_true",
+        help="stages 2-3 reduce through MPI messages, not the optimizer's shared-memory "
+        "window (shared_memory=True, used when every rank is on one node)",
+    )
+    p.add_argument(
         "--dtype", choices=("float32", "float64"), default="float32", help="dtype of everything"
     )
     p.add_argument(
@@ -337,7 +343,9 @@ def bench_stage(
         stage=stage,
         lr=LR,
         bucket_elems=args.bucket_elems,
+        shared_memory=not args.no_shared_memory,
     )
+    shared = opt.shared_memory
     names = list(grads)
     step_s: list[float] = []
     wall_s: list[float] = []
@@ -364,6 +372,7 @@ def bench_stage(
         sent["allgather"].append(traffic.get("allgather", {}).get("sent", 0))
     local = params if stage == 0 else sum(opt.layout.shard_sizes.values())
     buckets = len(opt.layout.buckets)
+    opt.close()
     del opt
     gc.collect()
     phase_ms = {phase: slowest_median_ms(comm, phase_s[phase]) for phase in PHASES}
@@ -387,6 +396,7 @@ def bench_stage(
         "world_size": comm.size,
         "tensors": len(sizes),
         "buckets": buckets,
+        "shared_memory": shared,
         "step_ms": slowest_median_ms(comm, step_s),
         "phase_ms": phase_ms,
         "wall_ms": slowest_median_ms(comm, wall_s),

@@ -3,8 +3,8 @@
 One small interface (:class:`BufferPool`) hands out named, category-tagged numpy
 arrays and reports the bytes it holds per category. Keeping allocation in one
 place is what makes ``memory_usage()`` exact rather than estimated, and is the seam
-where a later backend places buffers in MPI-3 shared-memory windows so that ranks
-on one node reduce and gather through memory.
+where buffers go into MPI-3 shared-memory windows (``shared=``), so that ranks on
+one node reduce through memory instead of messages.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 from .adam import BLOCK
 
 if TYPE_CHECKING:
+    from .comm import Comm, SharedWindow
     from .partition import Layout
 
 #: Byte alignment of every buffer: a cache line, and enough for any SIMD kernel.
@@ -121,17 +122,39 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._buffers: dict[str, tuple[str, np.ndarray]] = {}
+        #: Shared-memory windows by buffer name (freed by :meth:`close`).
+        self.windows: dict[str, SharedWindow] = {}
 
-    def zeros(self, name: str, count: int, dtype: np.dtype | type, category: str) -> np.ndarray:
-        """Allocate a zero-filled buffer ``name`` of ``count`` elements."""
+    def zeros(
+        self,
+        name: str,
+        count: int,
+        dtype: np.dtype | type,
+        category: str,
+        shared: Comm | None = None,
+    ) -> np.ndarray:
+        """Allocate a zero-filled buffer ``name`` of ``count`` elements; with
+        ``shared`` (collective), in a shared-memory window over that communicator,
+        whose peers' segments are ``self.windows[name].peers``."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown buffer category {category!r}; expected one of {CATEGORIES}")
         if name in self._buffers:
             raise ValueError(f"buffer {name!r} is already allocated")
-        array = aligned_empty(count, dtype)
+        if shared is not None:
+            window = self.windows[name] = shared.shared_window(count, dtype)
+            array = window.local
+        else:
+            array = aligned_empty(count, dtype)
         array.fill(0)  # touch every page now, so the memory is really held
         self._buffers[name] = (category, array)
         return array
+
+    def close(self) -> None:
+        """Collective if any buffer is shared: free the shared-memory windows."""
+        for name, window in self.windows.items():
+            window.free()
+            del self._buffers[name]
+        self.windows = {}
 
     def free(self, name: str) -> None:
         """Drop the pool's reference to buffer ``name``."""

@@ -53,6 +53,39 @@ class Pending:
         return bool(self.request.Test())
 
 
+class SharedWindow:
+    """An MPI-3 shared-memory window over a communicator whose ranks share one node:
+    ``local`` is this rank's ``count`` elements, ``peers[r]`` rank r's, all directly
+    addressable. Collective to create (:meth:`Comm.shared_window`) and to
+    :meth:`free`."""
+
+    def __init__(self, comm: Comm, count: int, dtype: np.dtype) -> None:
+        dtype = np.dtype(dtype)
+        self.comm = comm
+        self.win = MPI.Win.Allocate_shared(count * dtype.itemsize, dtype.itemsize, comm=comm.mpi)
+        self.peers = [
+            np.frombuffer(self.win.Shared_query(r)[0], dtype=dtype, count=count)
+            for r in range(comm.size)
+        ]
+        self.local = self.peers[comm.rank]
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch: Sync orders memory
+
+    def fence(self) -> None:
+        """Collective: every rank's writes to its segment before the call are visible
+        to every rank after it, and every rank's reads before it are done."""
+        self.win.Sync()
+        self.comm.mpi.Barrier()
+        self.win.Sync()
+
+    def free(self) -> None:
+        """Collective: release the window; the arrays must not be used afterwards."""
+        if self.win != MPI.WIN_NULL:
+            self.peers = []
+            self.local = np.empty(0, self.local.dtype)
+            self.win.Unlock_all()
+            self.win.Free()
+
+
 class Comm:
     """The communicator zerompi runs on, with the collectives it needs."""
 
@@ -164,6 +197,58 @@ class Comm:
         volume = 2 * buf.nbytes * (self.size - 1) // self.size if self.size > 1 else 0
         self._count("allreduce", volume, volume)
         return Pending(request, buf)
+
+    # -- one node: shared memory instead of messages ---------------------------------
+
+    def single_node(self) -> bool:
+        """Collective: whether every rank of this communicator shares one node's
+        memory (MPI_COMM_TYPE_SHARED), so :class:`SharedWindow` can span it."""
+        node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            together = node.Get_size() == self.size
+        finally:
+            node.Free()
+        return bool(self.mpi.allreduce(int(together), op=MPI.MIN))
+
+    def shared_window(self, count: int, dtype: np.dtype) -> SharedWindow:
+        """Collective: ``count`` elements of ``dtype`` per rank, every rank's segment
+        addressable by all (call only when :meth:`single_node`)."""
+        return SharedWindow(self, count, dtype)
+
+    def shared_reduce_scatter(
+        self,
+        window: SharedWindow,
+        offset: int,
+        counts: Sequence[int],
+        displs: Sequence[int],
+        out: np.ndarray,
+        add: bool,
+        reuse: bool,
+    ) -> None:
+        """Collective, blocking: the reduce-scatter of the bucket every rank wrote at
+        ``window.local[offset : offset + sum(counts)]``, without messages: this rank
+        sums its part of every rank's segment, in rank order, into ``out``
+        (``out += sum`` with ``add``). ``reuse``: a rank may overwrite its bucket as
+        soon as this returns (one more fence); otherwise only after the next fence.
+        Counted as the reduce-scatter it replaces."""
+        window.fence()  # every rank's bucket is written
+        mine, lo = counts[self.rank], offset + displs[self.rank]
+        if out.shape != (mine,):
+            raise ValueError(f"out must be {mine} elements, got {out.shape}")
+        parts = [peer[lo : lo + mine] for peer in window.peers]
+        if add:
+            for part in parts:
+                np.add(out, part, out=out)
+        elif len(parts) == 1:
+            np.copyto(out, parts[0])
+        else:
+            np.add(parts[0], parts[1], out=out)
+            for part in parts[2:]:
+                np.add(out, part, out=out)
+        if reuse:
+            window.fence()  # every rank has read this bucket
+        size = out.itemsize
+        self._count("reduce_scatter", (sum(counts) - mine) * size, (self.size - 1) * mine * size)
 
     @staticmethod
     def progress(pending: Sequence[Pending]) -> None:

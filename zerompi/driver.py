@@ -241,6 +241,12 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         "(and for the first and the last step)",
     )
     p.add_argument(
+        "--shared-memory",
+        action="store_true",
+        help="stages 2-3: reduce gradient buckets through an MPI-3 shared-memory window "
+        "instead of messages, when every rank is on one node",
+    )
+    p.add_argument(
         "--max-norm",
         type=_positive_float,
         help="clip the averaged gradient to this global L2 norm (torch's clip_grad_norm_)",
@@ -477,6 +483,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         bucket_elems=args.bucket_elems,
         max_norm=args.max_norm,
         nonfinite=args.nonfinite,
+        shared_memory=args.shared_memory,
     )
     comm = opt.comm  # every collective below goes through the optimizer's Comm
     world, rank = comm.size, comm.rank
@@ -671,6 +678,7 @@ def run(args: argparse.Namespace, comm: Comm, rss_floor: int | None = None) -> i
             rss_floor = current_rss_bytes()
         wall = time.perf_counter()
         opt, results = train(args, comm)
+        results["shared_memory"] = opt.shared_memory
         results["train_wall_s"] = comm.max(time.perf_counter() - wall)
         results["rss_floor_bytes"] = int(comm.max(rss_floor))
         results["rss_peak_bytes"] = int(comm.max(max_rss_bytes()))  # before --verify
@@ -693,6 +701,7 @@ def _finish(args: argparse.Namespace, opt: ZeroOptimizer, results: dict[str, Any
         results["verify_tolerance"] = check["tolerance"]
         results["verify_ok"] = check["max_rel_diff"] <= check["tolerance"]
         status = 0 if results["verify_ok"] else 1
+    opt.close()  # collective: frees the shared-memory window, if any
     if comm.rank == 0:
         _summary(results, check)
         if args.json:

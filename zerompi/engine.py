@@ -193,6 +193,7 @@ class ZeroOptimizer:
         max_norm: float | None = None,
         nonfinite: str = "skip",
         overlap: bool = True,
+        shared_memory: bool = False,
     ) -> None:
         self.comm = Comm(comm)
         install_abort_hook()  # an uncaught exception on any rank aborts the whole job
@@ -213,8 +214,9 @@ class ZeroOptimizer:
             keys = [group_of(name) for name, _, _ in specs]
             self.max_norm = _check_failure_settings(max_norm, nonfinite)
             self.nonfinite = nonfinite
-            if not isinstance(overlap, bool):
-                raise TypeError(f"overlap must be a bool, got {overlap!r:.60}")
+            for name, flag in (("overlap", overlap), ("shared_memory", shared_memory)):
+                if not isinstance(flag, bool):
+                    raise TypeError(f"{name} must be a bool, got {flag!r:.60}")
         except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         self.comm.agree(error)
@@ -229,9 +231,13 @@ class ZeroOptimizer:
         self.comm.check_same(
             (self.max_norm, self.nonfinite), "the failure settings (max_norm, nonfinite)"
         )
-        self.comm.check_same(overlap, "overlap")
+        self.comm.check_same((overlap, shared_memory), "(overlap, shared_memory)")
         self.stage = stage
         self.overlap = overlap
+        #: Whether stages 2-3 reduce their staging buckets through a shared-memory
+        #: window (asked for with shared_memory=True, and every rank on one node).
+        self.shared_memory = bool(shared_memory and stage >= 2 and self.comm.single_node())
+        self._closed = False
         self.step_count = 0
         #: Steps skipped because the averaged gradient was not finite (step_count
         #: does not count them).
@@ -277,7 +283,10 @@ class ZeroOptimizer:
         }
         # The plan zerompi.memory estimates from:
         for buf in buffer_plan(layout, stage, self.overlap):
-            stores[buf.kind][buf.dtype] = pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
+            shared = self.comm if self.shared_memory and buf.kind == "grad_bucket" else None
+            stores[buf.kind][buf.dtype] = pool.zeros(
+                buf.name, buf.count, buf.dtype, buf.category, shared=shared
+            )
         self._specs = {spec.name: spec for spec in layout.params}
         if stage <= 2:
             views = {n: self._view(self._flat, n) for n in self._order}
@@ -414,6 +423,8 @@ class ZeroOptimizer:
             yield {n: self._grads[n] for n in resolved}
             return
         index = self._single_bucket(resolved, "gradients")
+        if self._closed:
+            raise RuntimeError("this optimizer was closed: its staging buffers are gone")
         if self._open != index:
             self._flush()
             slot = (self._slot + 1) % self._slots
@@ -465,6 +476,19 @@ class ZeroOptimizer:
         start = time.perf_counter()
         bucket = self.layout.buckets[index]
         add = self._reductions[index] > 0
+        if self.shared_memory and slot is not None:  # every rank's bucket is addressable
+            self.comm.shared_reduce_scatter(
+                self.pool.windows[f"grad_bucket.{bucket.dtype.name}"],
+                slot * self.layout.max_bucket(bucket.dtype),
+                bucket.counts,
+                bucket.displs,
+                self._shard_of(self._grad, index),
+                add,
+                reuse=self._slots == 1,
+            )
+            self._reductions[index] += 1
+            self.timings["reduce_scatter"] += time.perf_counter() - start
+            return
         out = None if add else self._shard_of(self._grad, index)
         pending = self.comm.ireduce_scatter(buf, bucket.counts, out=out)
         self._inflight.append(_Reduction(index, pending, add, slot))
@@ -670,6 +694,28 @@ class ZeroOptimizer:
                 grad.fill(0)  # consumed (stage 1 reduced it in place)
         self._reductions = [0] * len(self.layout.buckets)
         self._micro_batches = 0
+
+    def close(self) -> None:
+        """Collective: release the shared-memory windows (``shared_memory=True``);
+        afterwards the optimizer can still be inspected and saved, not trained.
+        ``with ZeroOptimizer(...) as opt:`` calls it on a normal exit."""
+        if not self._closed:
+            self._complete(len(self._inflight))
+            self._open = None
+            self.pool.close()
+            if self.shared_memory:
+                self._staging = {}
+            self._closed = True
+
+    def __enter__(self) -> ZeroOptimizer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Not while an exception propagates: it may be on this rank only, and close()
+        # is collective (it would wait forever for the others); the abort hook ends
+        # the world instead.
+        if exc_type is None:
+            self.close()
 
     # -- inspection ------------------------------------------------------------
 
