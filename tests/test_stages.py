@@ -738,8 +738,9 @@ def test_stage_2_grads_used_on_one_rank_only_does_not_hang(comm: MPI.Intracomm) 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
-    """``close()`` frees the window (collective) and refuses further hand-overs on
-    every rank; the ``with`` form closes on exit; memory is accounted the same as
+    """``close()`` frees the windows (collective) and refuses further hand-overs on
+    every rank, keeping the parameters (stage 2 keeps them in a window) readable and
+    accounted; the ``with`` form closes on exit; memory is accounted the same as
     without the window; stages 0-1 have nothing to share."""
     params = make_params(TINY, seed=9)
     problems = []
@@ -750,8 +751,17 @@ def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
             problems.append(f"usage {opt.memory_usage()} vs {plain.memory_usage()}")
         hand_over(opt, ("a",), rank_grads(TINY, 0, comm.rank))
         opt.step()
+        before = opt.full_params()
     if not opt._closed or opt.pool.windows:
         problems.append("not closed on exit")
+    after = opt.full_params()  # the parameters moved out of the window, still readable
+    for name in before:
+        if not np.array_equal(before[name], after[name]):
+            problems.append(f"{name}: full_params() changed by close()")
+        if stage == 2 and not np.array_equal(opt.params[name], after[name]):
+            problems.append(f"{name}: opt.params after close() is not the parameters")
+    if opt.memory_usage()["parameter_partitions"] != plain.memory_usage()["parameter_partitions"]:
+        problems.append("parameters no longer accounted after close()")
     _, wrong = raises(RuntimeError, "closed", lambda: enter(opt.gradients("a")), "after close")
     problems += wrong
     opt.close()  # twice is harmless

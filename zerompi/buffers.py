@@ -149,12 +149,20 @@ class BufferPool:
         self._buffers[name] = (category, array)
         return array
 
-    def close(self) -> None:
-        """Collective if any buffer is shared: free the shared-memory windows."""
+    def close(self, keep: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+        """Collective if any buffer is shared: free the shared-memory windows. The
+        buffers named in ``keep`` move to private memory first (same contents, same
+        accounting); returns them by name. The others are dropped."""
+        kept = {}
         for name, window in self.windows.items():
+            category, array = self._buffers.pop(name)
+            if name in keep:
+                kept[name] = aligned_empty(array.shape[0], array.dtype)
+                np.copyto(kept[name], array)
+                self._buffers[name] = (category, kept[name])
             window.free()
-            del self._buffers[name]
         self.windows = {}
+        return kept
 
     def free(self, name: str) -> None:
         """Drop the pool's reference to buffer ``name``."""

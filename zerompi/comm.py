@@ -250,6 +250,25 @@ class Comm:
         size = out.itemsize
         self._count("reduce_scatter", (sum(counts) - mine) * size, (self.size - 1) * mine * size)
 
+    def shared_allgatherv(
+        self, window: SharedWindow, pieces: Sequence[tuple[int, Sequence[int], Sequence[int]]]
+    ) -> None:
+        """Collective, blocking: :meth:`allgatherv_inplace` of every bucket
+        ``(start, counts, displs)`` of ``window`` without messages: after one fence
+        this rank copies every other rank's part of each bucket from that rank's
+        segment into its own. The caller must not let any rank write its part again
+        before every rank has copied it (the next collective of the step orders it).
+        Counted as the allgathers it replaces."""
+        window.fence()  # every rank's part is written
+        size = window.local.itemsize
+        for start, counts, displs in pieces:
+            for r, peer in enumerate(window.peers):
+                if r != self.rank and counts[r]:
+                    lo = start + displs[r]
+                    np.copyto(window.local[lo : lo + counts[r]], peer[lo : lo + counts[r]])
+            mine = counts[self.rank]
+            self._count("allgather", (self.size - 1) * mine * size, (sum(counts) - mine) * size)
+
     @staticmethod
     def progress(pending: Sequence[Pending]) -> None:
         """Let the MPI library advance started collectives without waiting for them.

@@ -237,6 +237,8 @@ class ZeroOptimizer:
         #: Whether stages 2-3 reduce their staging buckets through a shared-memory
         #: window (asked for with shared_memory=True, and every rank on one node).
         self.shared_memory = bool(shared_memory and stage >= 2 and self.comm.single_node())
+        # Stage 2 also gathers its parameters through the window; stage 3 keeps shards.
+        self._shared_kinds = ("grad_bucket", "params") if stage == 2 else ("grad_bucket",)
         self._closed = False
         self.step_count = 0
         #: Steps skipped because the averaged gradient was not finite (step_count
@@ -283,7 +285,7 @@ class ZeroOptimizer:
         }
         # The plan zerompi.memory estimates from:
         for buf in buffer_plan(layout, stage, self.overlap):
-            shared = self.comm if self.shared_memory and buf.kind == "grad_bucket" else None
+            shared = self.comm if self.shared_memory and buf.kind in self._shared_kinds else None
             stores[buf.kind][buf.dtype] = pool.zeros(
                 buf.name, buf.count, buf.dtype, buf.category, shared=shared
             )
@@ -677,7 +679,7 @@ class ZeroOptimizer:
                 if gathers:
                     self.comm.progress(gathers)
                     gather_s += clock() - t2
-            if self.stage in (1, 2):
+            if self.stage == 1 or (self.stage == 2 and not self.shared_memory):
                 t2 = clock()
                 gathers.append(
                     self.comm.iallgatherv(
@@ -687,6 +689,13 @@ class ZeroOptimizer:
                 gather_s += clock() - t2
         t2 = clock()
         self.comm.wait_all(gathers)
+        if self.stage == 2 and self.shared_memory:  # one fence, then copy the others' parts
+            for dtype in self._flat:
+                buckets = [b for b in self.layout.buckets if b.dtype == dtype]
+                self.comm.shared_allgatherv(
+                    self.pool.windows[f"params.{dtype.name}"],
+                    [(b.start, b.counts, b.displs) for b in buckets],
+                )
         self.timings["adam"] += adam_s
         self.timings["allgather"] += gather_s + clock() - t2
         if self.stage <= 1:
@@ -702,7 +711,12 @@ class ZeroOptimizer:
         if not self._closed:
             self._complete(len(self._inflight))
             self._open = None
-            self.pool.close()
+            names = {f"params.{dtype.name}": dtype for dtype in self._flat}
+            for name, flat in self.pool.close(keep=frozenset(names)).items():
+                self._flat[names[name]] = flat  # now private memory
+            if self.shared_memory and self.stage == 2:
+                views = {n: self._view(self._flat, n) for n in self._order}
+                self._params = FlatArrays(views, "parameter")
             if self.shared_memory:
                 self._staging = {}
             self._closed = True
