@@ -43,12 +43,17 @@ class Pending:
         self.request = request
         self.result = result
 
+    @classmethod
+    def done(cls, result: np.ndarray) -> Pending:
+        """An already completed collective (one that was run blocking)."""
+        return cls(MPI.REQUEST_NULL, result)
+
     def wait(self) -> np.ndarray:
         """Complete the collective (a no-op once complete) and return its array."""
         self.request.Wait()
         return self.result
 
-    def done(self) -> bool:
+    def test(self) -> bool:
         """Whether it has completed; advances MPI progress."""
         return bool(self.request.Test())
 
