@@ -492,13 +492,11 @@ class ZeroOptimizer:
                 self._shard_of(self._grad, index),
                 add,
                 reuse=self._slots == 1,
-            )
-            self._reductions[index] += 1
-            self.timings["reduce_scatter"] += time.perf_counter() - start
-            return
-        out = None if add else self._shard_of(self._grad, index)
-        pending = self.comm.ireduce_scatter(buf, bucket.counts, out=out)
-        self._inflight.append(_Reduction(index, pending, add, slot))
+            )  # blocking: complete on return
+        else:
+            out = None if add else self._shard_of(self._grad, index)
+            pending = self.comm.ireduce_scatter(buf, bucket.counts, out=out)
+            self._inflight.append(_Reduction(index, pending, add, slot))
         self._reductions[index] += 1
         self.timings["reduce_scatter"] += time.perf_counter() - start
 
