@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 import zerompi.engine
 from zerompi import ZeroOptimizer
-from zerompi.comm import install_abort_hook
+from zerompi.mpi.launch import install_abort_hook
 
 PHASES = ("model", "collective", "step", "save", "load", "interrupt", "thread", "none")
 STEPS = 3

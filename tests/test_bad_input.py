@@ -11,7 +11,7 @@ import pytest
 from helpers import WORLD, assert_all, assert_raises_all
 
 from zerompi import Deferred, ZeroOptimizer
-from zerompi.comm import CollectiveError
+from zerompi.mpi.agreement import CollectiveError
 
 
 def good() -> dict[str, np.ndarray]:

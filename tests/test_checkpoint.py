@@ -26,7 +26,7 @@ from helpers import assert_all, assert_raises_all
 from mpi4py import MPI
 from test_optimizer import F32, F64, MIXED, SHAPES, Spec, backward, make_params, rank_grads, spec_of
 
-import zerompi.comm
+import zerompi.mpi.collectives
 from zerompi import ZeroOptimizer, checkpoint
 from zerompi.checkpoint import CheckpointError
 
@@ -335,13 +335,13 @@ def test_checkpoint_of_another_model_is_refused(mpi_tmp_path: Path) -> None:
 
 
 def _fail_in_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = zerompi.comm.Comm.write_at_all
+    real = zerompi.mpi.collectives.Comm.write_at_all
 
     def write_then_fail(self: Any, fh: Any, offset: int, array: np.ndarray) -> None:
         real(self, fh, offset, array)  # the collective completes, then reports an error
         raise OSError("simulated disk full")
 
-    monkeypatch.setattr(zerompi.comm.Comm, "write_at_all", write_then_fail)
+    monkeypatch.setattr(zerompi.mpi.collectives.Comm, "write_at_all", write_then_fail)
 
 
 def _fail_in_rename(monkeypatch: pytest.MonkeyPatch) -> None:

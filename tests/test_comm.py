@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from zerompi import shard_counts
-from zerompi.comm import CollectiveError, Comm
+from zerompi.mpi.agreement import CollectiveError
+from zerompi.mpi.collectives import Comm
 
 TOTALS = [0, 1, 2, 3, 5, 7, 64, 1000]
 DTYPES = [np.float32, np.float64]

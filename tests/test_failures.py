@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_harness import mpiexec
 
-from zerompi import comm as zcomm
+from zerompi.mpi import launch as zcomm
 
 pytestmark = pytest.mark.mpi_skip
 
@@ -77,11 +77,11 @@ EXPECTED = {
     "step": ["zerompi: rank {r} of {w} failed: InjectedFailure: injected failure in phase 'step'"],
     # checkpoint errors are agreed on: every rank raises, naming the rank they came from
     "save": [
-        "failed: zerompi.comm.CollectiveError: [Errno 28] No space left on device "
+        "failed: zerompi.mpi.agreement.CollectiveError: [Errno 28] No space left on device "
         "(injected) (on rank {r} of {w})"
     ],
     "load": [
-        "failed: zerompi.comm.CollectiveError:",
+        "failed: zerompi.mpi.agreement.CollectiveError:",
         "Permission denied (injected)",
         "(on rank {r} of {w})",
     ],

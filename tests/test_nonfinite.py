@@ -41,7 +41,7 @@ from test_optimizer import (
 )
 
 from zerompi import ZeroOptimizer
-from zerompi.comm import CollectiveError
+from zerompi.mpi.agreement import CollectiveError
 from zerompi.reference import ReferenceAdam
 
 BAD = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}

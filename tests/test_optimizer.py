@@ -45,7 +45,7 @@ from mpi4py import MPI
 
 from zerompi import ZeroOptimizer, shard_counts
 from zerompi.adam import BLOCK
-from zerompi.comm import CollectiveError
+from zerompi.mpi.agreement import CollectiveError
 from zerompi.reference import ReferenceAdam, average
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)

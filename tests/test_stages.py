@@ -49,7 +49,7 @@ from test_optimizer import (
 )
 
 from zerompi import Deferred, ZeroOptimizer, shard_counts
-from zerompi.comm import CollectiveError
+from zerompi.mpi.agreement import CollectiveError
 from zerompi.reference import ReferenceAdam
 
 STAGES = [0, 1, 2, 3]

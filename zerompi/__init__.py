@@ -12,6 +12,7 @@ estimator) work on a machine without MPI.
 from typing import Any
 
 from .adam import AdamConfig
+from .mpi.launch import install_abort_hook
 from .partition import (
     Deferred,
     Layout,
@@ -23,6 +24,11 @@ from .partition import (
 )
 
 __version__ = "0.1.0"
+
+# An uncaught exception on any rank ends a multi-rank job from here on, not only once
+# an optimizer exists (data loading, argument checks): the hook looks MPI up only
+# when it fires, so importing zerompi does not initialise MPI.
+install_abort_hook()
 
 __all__ = [
     "AdamConfig",

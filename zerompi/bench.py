@@ -60,7 +60,8 @@ from mpi4py import MPI
 
 from . import adam as adam_module
 from .adam import BLOCK, AdamConfig, adam_step
-from .comm import Comm, install_abort_hook, library_version
+from .mpi.collectives import Comm
+from .mpi.launch import install_abort_hook, library_version
 from .driver import _auto_blas_threads, _HelpFormatter, _Parser, _positive, openblas_threads
 from .engine import PHASES, ZeroOptimizer
 from .partition import (

@@ -3,8 +3,8 @@
 One small interface (:class:`BufferPool`) hands out named, category-tagged numpy
 arrays and reports the bytes it holds per category. Keeping allocation in one
 place is what makes ``memory_usage()`` exact rather than estimated, and is the seam
-where buffers go into MPI-3 shared-memory windows (``shared=``), so that ranks on
-one node reduce through memory instead of messages.
+where buffers go into node-shared memory (``shared=``, :mod:`zerompi.mpi.shm`), so
+that ranks on one node reduce through memory instead of messages.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import numpy as np
 from .adam import BLOCK
 
 if TYPE_CHECKING:
-    from .comm import Comm, SharedWindow
+    from .mpi.collectives import Comm
+    from .mpi.shm import SharedSegment
     from .partition import Layout
 
 #: Byte alignment of every buffer: a cache line, and enough for any SIMD kernel.
@@ -122,8 +123,8 @@ class BufferPool:
 
     def __init__(self) -> None:
         self._buffers: dict[str, tuple[str, np.ndarray]] = {}
-        #: Shared-memory windows by buffer name (freed by :meth:`close`).
-        self.windows: dict[str, SharedWindow] = {}
+        #: Shared-memory segments by buffer name (released by :meth:`close`).
+        self.segments: dict[str, SharedSegment] = {}
 
     def zeros(
         self,
@@ -134,35 +135,30 @@ class BufferPool:
         shared: Comm | None = None,
     ) -> np.ndarray:
         """Allocate a zero-filled buffer ``name`` of ``count`` elements; with
-        ``shared`` (collective), in a shared-memory window over that communicator,
-        whose peers' segments are ``self.windows[name].peers``."""
+        ``shared`` (collective), in a shared-memory segment over that communicator,
+        whose peers' parts are ``self.segments[name].peers``."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown buffer category {category!r}; expected one of {CATEGORIES}")
         if name in self._buffers:
             raise ValueError(f"buffer {name!r} is already allocated")
         if shared is not None:
-            window = self.windows[name] = shared.shared_window(count, dtype)
-            array = window.local
+            from .mpi.shm import SharedSegment
+
+            segment = self.segments[name] = SharedSegment(shared, count, dtype, name)
+            array = segment.local
         else:
             array = aligned_empty(count, dtype)
         array.fill(0)  # touch every page now, so the memory is really held
         self._buffers[name] = (category, array)
         return array
 
-    def close(self, keep: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
-        """Collective if any buffer is shared: free the shared-memory windows. The
-        buffers named in ``keep`` move to private memory first (same contents, same
-        accounting); returns them by name. The others are dropped."""
-        kept = {}
-        for name, window in self.windows.items():
-            category, array = self._buffers.pop(name)
-            if name in keep:
-                kept[name] = aligned_empty(array.shape[0], array.dtype)
-                np.copyto(kept[name], array)
-                self._buffers[name] = (category, kept[name])
-            window.free()
-        self.windows = {}
-        return kept
+    def close(self) -> None:
+        """Release the shared-memory segments: this pool no longer reaches the peers'
+        parts. Every buffer handed out stays valid and accounted (its mapping lives
+        as long as any view of it)."""
+        for segment in self.segments.values():
+            segment.release()
+        self.segments = {}
 
     def free(self, name: str) -> None:
         """Drop the pool's reference to buffer ``name``."""

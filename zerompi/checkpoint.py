@@ -44,7 +44,7 @@ on its own, e.g. with ``runpy.run_path``, where mpi4py is unavailable.)
 
 The collective parts (:func:`save`, :func:`load`, behind ``ZeroOptimizer.save`` /
 ``ZeroOptimizer.load``) make their MPI calls through the optimizer's
-:class:`zerompi.comm.Comm`.
+:class:`zerompi.mpi.collectives.Comm`.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ except ImportError:  # not a Unix: no getrusage, no RSS figures
 
 from . import mlp
 from .adam import KERNEL
-from .comm import Comm, library_version
+from .mpi.collectives import Comm
+from .mpi.launch import library_version
 from .engine import DEFAULT_BUCKET_ELEMS, PHASES, ZeroOptimizer
 from .partition import STAGES, shard_range
 from .reference import ReferenceAdam, average

@@ -51,7 +51,9 @@ from mpi4py import MPI
 
 from .adam import AdamConfig, adam_step, finite_real, grad_stats
 from .buffers import OVERLAP_SLOTS, BufferPool, buffer_plan, full_grads_plan
-from .comm import CollectiveError, Comm, Pending, check_world, install_abort_hook
+from .mpi.agreement import CollectiveError
+from .mpi.collectives import Comm, Pending
+from .mpi.launch import check_world, install_abort_hook
 from .partition import (
     DEFAULT_BUCKET_ELEMS,
     SUPPORTED_DTYPES,

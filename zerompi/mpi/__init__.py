@@ -1,0 +1,18 @@
+"""The MPI layer: the only place in zerompi that imports :mod:`mpi4py`.
+
+One module per concern:
+
+* :mod:`.collectives`: :class:`Comm`, the exact-count data path (``Reduce_scatter``,
+  ``Allgatherv``, their nonblocking forms) and the small collectives around it;
+* :mod:`.agreement`: :class:`CollectiveError`, collective validation, the running
+  fingerprint of the collectives a rank makes;
+* :mod:`.shm`: node-local shared memory (file-backed, unlinked once mapped) and fences;
+* :mod:`.io`: MPI-IO for checkpoints;
+* :mod:`.watchdog`: deadlines on every wait, with a diagnosis before the abort;
+* :mod:`.launch`: the abort hook and the launcher checks. It never imports
+  ``mpi4py.MPI`` itself (importing it initialises MPI), so ``import zerompi`` can
+  install the hook on a machine, or in a process, without MPI.
+
+Nothing is imported here, for the same reason: ``zerompi.mpi.launch`` must stay
+importable without initialising MPI.
+"""

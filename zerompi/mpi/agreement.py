@@ -1,0 +1,148 @@
+"""Collective validation and the fingerprint of the collectives a rank makes.
+
+MPI cannot tell that two ranks called collectives that do not belong together: two
+reduce-scatters of equal size pair up even when one rank reduces bucket ``a`` and the
+other bucket ``b``, and the data is mixed silently. Each :class:`Comm` therefore keeps
+a running :class:`Fingerprint` of every data-path collective it starts (operation,
+bucket, element count, in order). The step's one small collective already carries a
+few numbers per rank; it carries the fingerprint too, so a difference is found on
+every rank at once, with no extra collective in steady state. Only then, on the
+failure path, the ranks exchange their call logs to name the first call that
+differs and the ranks on each side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mpi4py import MPI
+
+
+class CollectiveError(ValueError):
+    """Raised identically on every rank when validation failed on any rank, or when
+    the ranks' collective calls differ."""
+
+
+#: Operation codes in a fingerprint (ints: their hash is the same in every process).
+OPS = ("reduce_scatter", "allgatherv", "allreduce", "bcast")
+OP_CODE = {op: code for code, op in enumerate(OPS)}
+
+_MASK26 = (1 << 26) - 1
+
+
+class Fingerprint:
+    """A running hash of ``(operation, bucket, count)`` per collective call, and the
+    calls themselves since the last :meth:`reset` (for the diagnosis)."""
+
+    __slots__ = ("calls", "log", "value")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.value = 0
+        self.calls = 0
+        self.log: list[tuple[int, int, int]] = []
+
+    def record(self, op: int, tag: int, count: int) -> None:
+        """One collective call: operation code, bucket (or -1), elements."""
+        self.value = hash((self.value, op, tag, count))
+        self.calls += 1
+        self.log.append((op, tag, count))
+
+    def words(self) -> tuple[float, float, float]:
+        """``(calls, high, low)``: the call count and 52 bits of the hash as three
+        floats that a float64 carries exactly."""
+        value = self.value & ((1 << 52) - 1)
+        return float(self.calls), float(value >> 26), float(value & _MASK26)
+
+
+def describe_call(call: tuple[int, int, int] | None, describe: Callable[[int], str]) -> str:
+    if call is None:
+        return "no call"
+    op, tag, count = call
+    where = f" of {describe(tag)}" if tag >= 0 else ""
+    return f"{OPS[op]}{where} ({count} elements)"
+
+
+def first_difference(
+    logs: Sequence[Sequence[tuple[int, int, int]]], describe: Callable[[int], str]
+) -> str:
+    """Where the ranks' call logs part: ``"call #k: ranks 0, 2 made X; rank 1 made
+    Y"`` (calls counted from 1, since the last step's agreement)."""
+    length = max(len(log) for log in logs)
+    for k in range(length):
+        calls = [tuple(log[k]) if k < len(log) else None for log in logs]
+        if len(set(calls)) > 1:
+            sides: dict[Any, list[int]] = {}
+            for rank, call in enumerate(calls):
+                sides.setdefault(call, []).append(rank)
+            parts = [
+                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                f"made {describe_call(call, describe)}"
+                for call, ranks in sides.items()
+            ]
+            return f"collective call #{k + 1} differs: " + "; ".join(parts)
+    return "the call logs agree but their fingerprints differ"
+
+
+class Agreement:
+    """Validation methods of :class:`Comm`: raise on every rank, never on one."""
+
+    mpi: MPI.Intracomm
+    rank: int
+    size: int
+
+    def allgather(self, obj: Any) -> list[Any]:  # provided by Comm
+        raise NotImplementedError
+
+    def agree(self, error: BaseException | None) -> None:
+        """Collective: raise on every rank if ``error`` is set on any rank.
+
+        The raised exception keeps the type of the first failing rank's error when it
+        is a ``TypeError`` and names the ranks it was found on (else
+        :class:`CollectiveError`).
+        """
+        errors = self.allgather(None if error is None else (type(error).__name__, str(error)))
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return
+        _, (kind, message) = failed[0]
+        ranks = [r for r, e in failed if e == (kind, message)]
+        where = (
+            f"on all {self.size} ranks"
+            if len(ranks) == self.size > 1
+            else f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+            f"of {self.size}"
+        )
+        others = len(failed) - len(ranks)
+        if others:
+            where += f"; {others} other rank(s) failed differently"
+        exc_type = {"TypeError": TypeError}.get(kind, CollectiveError)
+        raise exc_type(f"{message} ({where})")
+
+    def check_same(self, value: Any, what: str) -> None:
+        """Collective: raise on every rank unless ``value`` is equal on all ranks.
+
+        For sequences the message names the first item that differs."""
+        values = self.allgather(value)
+        for r, other in enumerate(values):
+            if other != values[0]:
+                raise CollectiveError(
+                    f"{what} differs between ranks: {_difference(values[0], other, r)}"
+                )
+
+
+def _difference(ref: Any, other: Any, rank: int) -> str:
+    if isinstance(ref, (list, tuple)) and isinstance(other, (list, tuple)):
+        for i, (a, b) in enumerate(zip(ref, other, strict=False)):
+            if a != b:
+                return f"item {i} is {_short(a)} on rank 0 but {_short(b)} on rank {rank}"
+        return f"rank 0 has {len(ref)} items, rank {rank} has {len(other)} items"
+    return f"rank 0 has {_short(ref)}, rank {rank} has {_short(other)}"
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

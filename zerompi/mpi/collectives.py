@@ -1,0 +1,332 @@
+"""The exact-count data path and the small collectives around it.
+
+The data path is two collectives with exact variable counts and no padding:
+``Reduce_scatter`` (explicit ``recvcounts``, so mpi4py does not run an extra
+Allgather to discover them) and ``Allgatherv``, both in place on a bucket of the
+flat buffer, blocking or nonblocking. Ranks that own an empty shard pass a count of
+zero and take part like any other. Around it, small collectives make validation
+collective (:mod:`.agreement`): an error found on one rank is raised on every rank,
+instead of leaving the others waiting forever in their next collective.
+
+Every data-path call is recorded in the communicator's :class:`Fingerprint` and every
+blocking call is bracketed by the :data:`WATCHDOG`, so a desynchronised job either
+fails the next step's agreement or ends with a diagnosis within its timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .agreement import OP_CODE, Agreement, CollectiveError, Fingerprint
+from .io import MPI_TYPES, FileIO
+from .launch import abort_world
+from .watchdog import WATCHDOG, resolve_timeout
+
+__all__ = ["CollectiveError", "Comm", "Pending"]
+
+_RS, _AG, _AR, _BC = (OP_CODE[op] for op in ("reduce_scatter", "allgatherv", "allreduce", "bcast"))
+
+
+def _mpi_type(array: np.ndarray) -> MPI.Datatype:
+    return MPI_TYPES[array.dtype]
+
+
+class Pending:
+    """A started nonblocking collective and the array it delivers. MPI owns the
+    buffers until :meth:`wait` (or :meth:`Comm.wait_all`) returns."""
+
+    __slots__ = ("comm", "op", "request", "result", "seq", "tag")
+
+    def __init__(
+        self, request: MPI.Request, result: np.ndarray, comm: Comm | None = None,
+        op: str = "", seq: int = 0, tag: int = -1,
+    ) -> None:  # fmt: skip
+        self.request = request
+        self.result = result
+        self.comm = comm
+        self.op = op
+        self.seq = seq
+        self.tag = tag
+
+    @classmethod
+    def done(cls, result: np.ndarray) -> Pending:
+        """An already completed collective (one that was run blocking)."""
+        return cls(MPI.REQUEST_NULL, result)
+
+    def wait(self) -> np.ndarray:
+        """Complete the collective (a no-op once complete) and return its array."""
+        if self.comm is None:
+            self.request.Wait()
+            return self.result
+        WATCHDOG.enter(self.comm, self.op, self.seq, self.tag)
+        try:
+            self.request.Wait()
+        finally:
+            WATCHDOG.leave()
+        return self.result
+
+    def test(self) -> bool:
+        """Whether it has completed; advances MPI progress."""
+        return bool(self.request.Test())
+
+
+class Comm(FileIO, Agreement):
+    """The communicator zerompi runs on, with the collectives it needs.
+
+    ``timeout``: seconds any one wait may take before the watchdog ends the job
+    (``None``: ``$ZEROMPI_TIMEOUT`` or its default; ``0``/``"none"``: never).
+    ``heartbeat``: keep this node's heartbeat in shared memory for the watchdog's
+    report (collective; needs ``/dev/shm``)."""
+
+    def __init__(
+        self, comm: MPI.Intracomm | None = None, *, timeout: object = None,
+        heartbeat: bool = False,
+    ) -> None:  # fmt: skip
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"comm must be an mpi4py intracommunicator, got {comm!r}")
+        self.mpi = comm
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        #: Bytes this rank sent and received per data-path collective since the last
+        #: :meth:`pop_traffic`, counted as the algorithm-independent volume: what must
+        #: leave and reach this rank. Averaged over ranks it is exactly the textbook
+        #: (W-1)/W of the buffer per reduce-scatter or allgather.
+        self.traffic: dict[str, list[int]] = {}
+        #: The data-path collectives started since the last step's agreement.
+        self.fingerprint = Fingerprint()
+        #: Collective calls made (data path and small ones): the watchdog's "call #".
+        self.seq = 0
+        #: The optimizer's step being worked on (for the watchdog's report).
+        self.step = 0
+        #: Names a bucket number in reports (the optimizer sets it).
+        self.describe: Callable[[int], str] = lambda tag: f"bucket {tag}"
+        self.timeout = resolve_timeout(timeout)
+        self.heartbeat = None
+        if heartbeat and self.size > 1 and self.timeout is not None:
+            from .shm import make_heartbeat
+            from .watchdog import OPS
+
+            self.heartbeat = make_heartbeat(self, OPS)
+
+    def _count(self, op: str, sent: int, received: int) -> None:
+        entry = self.traffic.setdefault(op, [0, 0])
+        entry[0] += sent
+        entry[1] += received
+
+    def pop_traffic(self) -> dict[str, dict[str, int]]:
+        """``{op: {"sent": bytes, "received": bytes}}`` since the last call, and reset."""
+        out = {op: {"sent": s, "received": r} for op, (s, r) in self.traffic.items()}
+        self.traffic = {}
+        return out
+
+    def _start(self, code: int, tag: int, count: int) -> int:
+        """Record a data-path collective in the fingerprint; its call number."""
+        self.fingerprint.record(code, tag, count)
+        self.seq += 1
+        return self.seq
+
+    def _blocking(self, op: str, tag: int, call: Callable[[], Any]) -> Any:
+        """Run one blocking MPI call under the watchdog."""
+        self.seq += 1
+        WATCHDOG.enter(self, op, self.seq, tag)
+        try:
+            return call()
+        finally:
+            WATCHDOG.leave()
+
+    # -- data path -------------------------------------------------------------
+
+    def _check_fits(self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int]) -> None:
+        # MPI does not check in-place bounds: a wrong count would write past the buffer.
+        if len(counts) != self.size or any(
+            c < 0 or d < 0 or d + c > buf.shape[0] for c, d in zip(counts, displs, strict=True)
+        ):
+            raise ValueError(
+                f"counts {list(counts)} / displs {list(displs)} do not fit a buffer of "
+                f"{buf.shape[0]} elements on {self.size} ranks"
+            )
+
+    def _count_rs(self, total: int, mine: int, itemsize: int) -> None:
+        self._count("reduce_scatter", (total - mine) * itemsize, (self.size - 1) * mine * itemsize)
+
+    def _count_ag(self, total: int, mine: int, itemsize: int) -> None:
+        self._count("allgather", (self.size - 1) * mine * itemsize, (total - mine) * itemsize)
+
+    def reduce_scatter_inplace(
+        self, buf: np.ndarray, counts: Sequence[int], tag: int = -1
+    ) -> np.ndarray:
+        """Sum ``buf`` over ranks and scatter it: rank r receives elements
+        ``[displs[r], displs[r] + counts[r])`` of the sum, written to the *top* of
+        its own ``buf`` (MPI_IN_PLACE). Returns that view, ``buf[:counts[rank]]``."""
+        return self.ireduce_scatter(buf, counts, tag=tag).wait()
+
+    def allgatherv_inplace(
+        self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int], tag: int = -1
+    ) -> None:
+        """Every rank contributes ``buf[displs[r]:displs[r]+counts[r]]`` and receives
+        everyone's slice into the same buffer (MPI_IN_PLACE)."""
+        self._check_fits(buf, counts, displs)
+        self._start(_AG, tag, buf.shape[0])
+        self._blocking(
+            "allgatherv", tag,
+            lambda: self.mpi.Allgatherv(MPI.IN_PLACE, [buf, list(counts), list(displs),
+                                                      _mpi_type(buf)]),
+        )  # fmt: skip
+        self._count_ag(sum(counts), counts[self.rank], buf.itemsize)
+
+    def ireduce_scatter(
+        self, buf: np.ndarray, counts: Sequence[int], out: np.ndarray | None = None,
+        tag: int = -1,
+    ) -> Pending:  # fmt: skip
+        """Start :meth:`reduce_scatter_inplace` of ``buf``; with ``out`` (this rank's
+        ``counts[rank]`` elements, not overlapping ``buf``) the shard lands there
+        instead, which saves a copy. ``Pending.wait()`` returns the shard. Neither
+        buffer may be touched until then."""
+        if sum(counts) != buf.shape[0]:
+            raise ValueError(f"counts {list(counts)} do not sum to the {buf.shape[0]} elements")
+        mine = counts[self.rank]
+        if out is None:
+            out = buf[:mine]
+            send: Any = MPI.IN_PLACE
+            recv: Any = [buf, _mpi_type(buf)]
+        else:
+            if out.shape != (mine,) or out.dtype != buf.dtype:
+                raise ValueError(
+                    f"out must be {mine} elements of {buf.dtype}, got {out.shape} {out.dtype}"
+                )
+            send, recv = [buf, _mpi_type(buf)], [out, _mpi_type(out)]
+        seq = self._start(_RS, tag, buf.shape[0])
+        request = self.mpi.Ireduce_scatter(send, recv, recvcounts=list(counts), op=MPI.SUM)
+        self._count_rs(buf.shape[0], mine, buf.itemsize)
+        return Pending(request, out, self, "reduce_scatter", seq, tag)
+
+    def iallgatherv(
+        self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int], tag: int = -1
+    ) -> Pending:
+        """Start :meth:`allgatherv_inplace`; ``buf`` is complete after ``wait()``."""
+        self._check_fits(buf, counts, displs)
+        seq = self._start(_AG, tag, buf.shape[0])
+        request = self.mpi.Iallgatherv(
+            MPI.IN_PLACE, [buf, list(counts), list(displs), _mpi_type(buf)]
+        )
+        self._count_ag(sum(counts), counts[self.rank], buf.itemsize)
+        return Pending(request, buf, self, "allgatherv", seq, tag)
+
+    def iallreduce(self, buf: np.ndarray, tag: int = -1) -> Pending:
+        """Start :meth:`allreduce_inplace`; ``buf`` holds the sum after ``wait()``."""
+        seq = self._start(_AR, tag, buf.shape[0])
+        request = self.mpi.Iallreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM)
+        volume = 2 * buf.nbytes * (self.size - 1) // self.size if self.size > 1 else 0
+        self._count("allreduce", volume, volume)
+        return Pending(request, buf, self, "allreduce", seq, tag)
+
+    def allreduce_inplace(self, buf: np.ndarray, tag: int = -1) -> None:
+        """Sum ``buf`` over ranks, in place, on every rank (plain data parallelism).
+        Counted as a reduce-scatter plus an allgather of equal shards."""
+        self._start(_AR, tag, buf.shape[0])
+        self._blocking(
+            "allreduce", tag,
+            lambda: self.mpi.Allreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM),
+        )  # fmt: skip
+        volume = 2 * buf.nbytes * (self.size - 1) // self.size if self.size > 1 else 0
+        self._count("allreduce", volume, volume)
+
+    def bcast_inplace(self, buf: np.ndarray, root: int = 0, tag: int = -1) -> None:
+        """Overwrite ``buf`` on every rank with root's contents."""
+        self._start(_BC, tag, buf.shape[0])
+        self._blocking("bcast", tag, lambda: self.mpi.Bcast([buf, _mpi_type(buf)], root=root))
+
+    def record_shared(self, op: str, tag: int, count: int) -> None:
+        """Record a collective done through shared memory (:mod:`.shm`) in the
+        fingerprint, as the MPI collective it replaces."""
+        self._start(OP_CODE[op], tag, count)
+
+    def progress(self, pending: Sequence[Pending]) -> None:
+        """Let the MPI library advance started collectives without waiting for them.
+        Without an asynchronous progress thread, MPI moves data only inside MPI calls:
+        the engine calls this between blocks of other work."""
+        if pending:
+            MPI.Request.Testall([p.request for p in pending])
+
+    def wait_all(self, pending: Sequence[Pending]) -> None:
+        """Complete every started collective in ``pending``."""
+        if pending:
+            first = pending[0]
+            WATCHDOG.enter(self, first.op, first.seq, first.tag)
+            try:
+                MPI.Request.Waitall([p.request for p in pending])
+            finally:
+                WATCHDOG.leave()
+
+    def fence(self) -> None:
+        """Collective: every rank's writes to shared memory before the call are
+        visible to every rank after it, and every rank's reads before it are done."""
+        self._blocking("fence", -1, self.mpi.Barrier)
+
+    # -- small collectives -----------------------------------------------------
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's (small, picklable) ``obj``, in rank order."""
+        return self._blocking("allgather", -1, lambda: self.mpi.allgather(obj))
+
+    def max(self, value: float) -> float:
+        """Maximum of a scalar over ranks."""
+        return self._blocking("allreduce", -1, lambda: self.mpi.allreduce(value, op=MPI.MAX))
+
+    def sum(self, value: float) -> float:
+        """Sum of a scalar over ranks."""
+        return self._blocking("allreduce", -1, lambda: self.mpi.allreduce(value, op=MPI.SUM))
+
+    def allgather_float64(self, values: np.ndarray, op: str = "allgather") -> np.ndarray:
+        """Collective: every rank's small 1-D ``float64`` array, stacked in rank order
+        as a new ``(size, len(values))`` array, identical on every rank. Summing its
+        rows in order gives every rank bit-identical totals, which an ``Allreduce``
+        does not promise. A control message (a few numbers per step, such as gradient
+        statistics), not counted as data-path traffic."""
+        send = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+        out = np.empty((self.size, send.shape[0]), dtype=np.float64)
+        self._blocking(op, -1, lambda: self.mpi.Allgather([send, MPI.DOUBLE], [out, MPI.DOUBLE]))
+        return out
+
+    def barrier(self) -> None:
+        self._blocking("barrier", -1, self.mpi.Barrier)
+
+    def sum_uint64(self, values: np.ndarray) -> np.ndarray:
+        """Collective: elementwise sum of a small ``uint64`` array over ranks, modulo
+        2**64 (unsigned overflow wraps), returned as a new array on every rank."""
+        send = np.ascontiguousarray(values, dtype=np.uint64)
+        out = np.empty_like(send)
+        self._blocking(
+            "allreduce", -1,
+            lambda: self.mpi.Allreduce([send, MPI.UINT64_T], [out, MPI.UINT64_T], op=MPI.SUM),
+        )  # fmt: skip
+        return out
+
+    def single_node(self) -> bool:
+        """Collective: whether every rank of this communicator shares one node's
+        memory (MPI_COMM_TYPE_SHARED), so shared segments can span it.
+        ``ZEROMPI_NODE_SIZE=L`` makes consecutive groups of L ranks one "node"
+        (to test the multi-node fallback on one machine)."""
+        import os
+
+        forced = os.environ.get("ZEROMPI_NODE_SIZE", "").strip()
+        if forced.isdigit() and int(forced) > 0:
+            return self.size <= int(forced)
+        node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            together = node.Get_size() == self.size
+        finally:
+            node.Free()
+        return bool(self.max(int(not together)) == 0)
+
+    @staticmethod
+    def abort(code: int = 1) -> None:
+        """End every process of the job (all of COMM_WORLD), not just this
+        communicator: the only safe exit when this rank cannot continue."""
+        abort_world(code)

@@ -1,0 +1,187 @@
+"""Node-local shared memory: file-backed segments every rank of a node maps.
+
+A segment is one file in ``/dev/shm`` (``ZEROMPI_SHM_DIR``), created by the node's
+first rank with ``O_EXCL`` under an unguessable name and mode 0600 (another user of
+the node can neither read it nor swap it), sized with ``posix_fallocate`` (a full
+``/dev/shm`` is a clear error at construction, not a SIGBUS mid-step), mapped by
+every rank, and unlinked as soon as every rank has mapped it. From then on the name
+is gone: nothing is left behind after a normal exit, an abort or a SIGKILL, and the
+memory lives exactly as long as some mapping of it. numpy views keep their mapping
+alive, so an array handed out before ``close()`` stays valid afterwards (with MPI-3
+windows it would have pointed at freed memory).
+
+Ordering: a rank's writes before :meth:`zerompi.mpi.collectives.Comm.fence` (an
+``MPI_Barrier``) are visible to every rank after it; MPI's barrier synchronises
+through atomic operations that order memory on the platforms MPI runs on.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+from mpi4py import MPI
+
+if TYPE_CHECKING:
+    from .collectives import Comm
+
+#: Where segments are created (a tmpfs on Linux).
+SHM_DIR_ENV = "ZEROMPI_SHM_DIR"
+#: Every rank's part starts on a page boundary.
+_PAGE = mmap.PAGESIZE
+
+
+def shm_dir() -> str:
+    return os.environ.get(SHM_DIR_ENV, "/dev/shm")
+
+
+def node_comm(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """Collective: the ranks of ``comm`` that share this node's memory."""
+    return comm.Split_type(MPI.COMM_TYPE_SHARED)
+
+
+def _part_bytes(count: int, dtype: np.dtype) -> int:
+    return -(-max(count * dtype.itemsize, 1) // _PAGE) * _PAGE
+
+
+class SharedSegment:
+    """``count`` elements of ``dtype`` per rank of ``comm`` (every rank on one node):
+    ``local`` is this rank's part, ``peers[r]`` rank r's, all directly addressable.
+    Collective to create; :meth:`release` drops this object's references (the
+    memory goes when the last view of it does)."""
+
+    def __init__(self, comm: Comm, count: int, dtype: np.dtype, label: str = "buf") -> None:
+        dtype = np.dtype(dtype)
+        part = _part_bytes(count, dtype)
+        total = part * comm.size
+        error: BaseException | None = None
+        path = ""
+        if comm.rank == 0:
+            path = os.path.join(shm_dir(), f"zerompi-{os.getpid()}-{secrets.token_hex(12)}")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, total)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                error = OSError(
+                    f"cannot create {total} bytes of shared memory for {label} in "
+                    f"{shm_dir()} ({exc.strerror}): make room there (containers often "
+                    f"cap /dev/shm at 64 MiB), point {SHM_DIR_ENV} at a tmpfs with room, "
+                    "or pass shared_memory=False"
+                )
+                _unlink(path)
+        path = comm.allgather(path if comm.rank == 0 else None)[0]
+        comm.agree(error)
+        mapping = None
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mapping = mmap.mmap(fd, total, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            error = exc
+        comm.fence()  # every rank has mapped it (or failed to): the name can go
+        if comm.rank == 0:
+            _unlink(path)
+        comm.agree(error)
+        assert mapping is not None
+        self.nbytes = total
+        self.peers = [
+            np.frombuffer(mapping, dtype=dtype, count=count, offset=r * part)
+            for r in range(comm.size)
+        ]
+        self.local = self.peers[comm.rank]
+
+    def release(self) -> None:
+        """Drop this object's views; arrays handed out earlier stay valid."""
+        self.peers = []
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+#: Heartbeat columns: last collective call number, its operation, the step, whether
+#: the rank is waiting in it now, and when it entered or left it (CLOCK_MONOTONIC,
+#: the same clock for every process of a node).
+_SEQ, _OP, _STEP, _WAITING, _TIME = range(5)
+
+
+class Heartbeat:
+    """Where each rank of this node is in its collective calls, in shared memory, so
+    a rank whose wait timed out can tell which ranks have not arrived without their
+    help (:mod:`.watchdog`). ``ranks`` are the communicator ranks of this node."""
+
+    def __init__(self, segment: SharedSegment, ranks: list[int], ops: tuple[str, ...]) -> None:
+        self._segment = segment
+        self.ranks = ranks
+        self.ops = ops
+        self._rows = {rank: segment.peers[i] for i, rank in enumerate(ranks)}
+        self._mine = segment.local
+        self._codes = {op: i for i, op in enumerate(ops)}
+
+    def mark(self, seq: int, op: str, step: int, waiting: bool) -> None:
+        row = self._mine
+        row[_SEQ] = seq
+        row[_OP] = self._codes.get(op, -1)
+        row[_STEP] = step
+        row[_WAITING] = waiting
+        row[_TIME] = time.monotonic_ns()
+
+    def report(self, me: int, seq: int) -> list[str]:
+        """Lines naming the ranks of this node that have not reached call ``seq``."""
+        now = time.monotonic_ns()
+        late, there = [], []
+        for rank, row in self._rows.items():
+            if rank == me:
+                continue
+            their_seq, code, step, waiting, t = (int(x) for x in row[:5])
+            op = self.ops[code] if 0 <= code < len(self.ops) else "?"
+            ago = (now - t) / 1e9 if t else float("nan")
+            if their_seq < seq or (their_seq == seq and not waiting):
+                state = f"waiting in it for {ago:.1f} s" if waiting else f"left it {ago:.1f} s ago"
+                late.append(
+                    f"zerompi watchdog:   rank {rank} has not arrived: its last collective "
+                    f"call is #{their_seq} ({op}, step {step}), {state}"
+                    if their_seq
+                    else f"zerompi watchdog:   rank {rank} has not arrived: no collective "
+                    "call yet"
+                )
+            else:
+                there.append(f"{rank} (call #{their_seq}, {op})")
+        lines = [
+            "zerompi watchdog: node heartbeat: "
+            + (f"{len(late)} rank(s) of this node have not arrived" if late else
+               "every other rank of this node has arrived")
+            + (f"; arrived: {', '.join(there)}" if there else "")
+        ]
+        lines += late
+        return lines
+
+
+def make_heartbeat(comm: Comm, ops: tuple[str, ...]) -> Heartbeat | None:
+    """Collective: a heartbeat over the ranks of ``comm`` on this node, or ``None``
+    where shared memory is not available (then the watchdog reports only itself)."""
+    node = node_comm(comm.mpi)
+    try:
+        from .collectives import Comm as _Comm
+
+        local = _Comm(node, timeout=comm.timeout, heartbeat=False)
+        ranks = local.allgather(comm.rank)
+        try:
+            segment = SharedSegment(local, 8, np.dtype(np.int64), "the heartbeat")
+        except Exception:
+            return None
+        return Heartbeat(segment, ranks, ops)
+    finally:
+        node.Free()

@@ -1,0 +1,160 @@
+"""Deadlines on every wait inside zerompi, and a diagnosis before the abort.
+
+A fingerprint (:mod:`.agreement`) catches ranks that made *different* collective
+calls; it cannot see a collective that some rank never enters: the others then wait
+forever. Every blocking MPI call zerompi makes (a collective, the completion of a
+nonblocking one, a fence, an MPI-IO call) is bracketed by :meth:`Watchdog.enter` /
+:meth:`Watchdog.leave`, which cost two attribute writes. One daemon thread per
+process wakes a few times a second; when the current wait has outlived its deadline
+it prints what this rank waits in (operation, step, call number, bucket) and, from
+the node's heartbeat (:class:`zerompi.mpi.shm.Heartbeat`), which ranks of this node
+have not arrived and where they were last seen, then aborts the world. mpi4py
+releases the GIL inside MPI calls, so the thread runs while the main thread is
+blocked in one (torch's NCCL watchdog is the same idea).
+
+The timeout is ``ZeroOptimizer(timeout=...)``, else the environment variable
+``ZEROMPI_TIMEOUT`` (seconds; ``0`` or ``none`` disables), else
+:data:`DEFAULT_TIMEOUT`. Only time spent *waiting inside zerompi* counts: a rank
+busy in the user's code for an hour trips nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+#: Environment variable with the default timeout in seconds (``0``/``none``: off).
+TIMEOUT_ENV = "ZEROMPI_TIMEOUT"
+#: Seconds a rank may wait inside one zerompi call: torch's NCCL default.
+DEFAULT_TIMEOUT = 600.0
+#: What a rank can wait in (the heartbeat stores the index).
+OPS = (
+    "reduce_scatter", "allgatherv", "allreduce", "bcast", "fence", "allgather",
+    "barrier", "step agreement", "file I/O",
+)  # fmt: skip
+
+
+def resolve_timeout(value: object = None) -> float | None:
+    """The timeout in seconds for ``value`` (``None``: ``$ZEROMPI_TIMEOUT``, else
+    :data:`DEFAULT_TIMEOUT`); ``None`` when disabled (``0``, ``"0"``, ``"none"``,
+    ``"off"``). Raises ``ValueError``/``TypeError`` naming a bad value."""
+    where = "timeout"
+    if value is None:
+        value = os.environ.get(TIMEOUT_ENV, "").strip()
+        where = TIMEOUT_ENV
+        if value == "":
+            return DEFAULT_TIMEOUT
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("none", "off", "0", "0.0"):
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(
+                f"{where} must be a number of seconds, 0 or 'none', got {value!r:.60}"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where} must be a number of seconds or None, got {value!r:.60}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{where} must be finite and >= 0 seconds, got {value!r}")
+    return seconds or None
+
+
+class Wait:
+    """What one rank waits in: enough to say so without anyone else's help."""
+
+    __slots__ = ("comm", "deadline", "op", "seq", "since", "tag", "timeout")
+
+    def __init__(self, comm: Any, op: str, seq: int, tag: int, timeout: float) -> None:
+        self.comm = comm
+        self.op = op
+        self.seq = seq
+        self.tag = tag
+        self.timeout = timeout
+        self.since = time.monotonic()
+        self.deadline = self.since + timeout
+
+
+class Watchdog:
+    """The process's watchdog (see the module docstring); use :data:`WATCHDOG`."""
+
+    def __init__(self) -> None:
+        self.current: Wait | None = None
+        self._thread: threading.Thread | None = None
+        self._poll = 1.0
+        self._fired = False
+
+    def enter(self, comm: Any, op: str, seq: int, tag: int) -> None:
+        """This rank starts waiting in ``op`` (collective call ``seq`` of ``comm``,
+        bucket ``tag`` or -1); no-op when ``comm.timeout`` is off or the
+        communicator has one rank (nothing to wait for)."""
+        timeout = comm.timeout
+        if timeout is None or comm.size == 1:
+            return
+        self.current = Wait(comm, op, seq, tag, timeout)
+        heartbeat = comm.heartbeat
+        if heartbeat is not None:
+            heartbeat.mark(seq, op, comm.step, waiting=True)
+        if self._thread is None or timeout / 8 < self._poll:
+            self._poll = max(0.02, min(1.0, timeout / 8))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="zerompi-watchdog", daemon=True
+                )
+                self._thread.start()
+
+    def leave(self) -> None:
+        """The wait begun by :meth:`enter` is over."""
+        wait = self.current
+        if wait is not None:
+            self.current = None
+            heartbeat = wait.comm.heartbeat
+            if heartbeat is not None:
+                heartbeat.mark(wait.seq, wait.op, wait.comm.step, waiting=False)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._poll)
+            wait = self.current
+            if wait is not None and time.monotonic() > wait.deadline and not self._fired:
+                self._fired = True
+                self._fire(wait)
+
+    def _fire(self, wait: Wait) -> None:
+        from .launch import abort_world
+
+        comm = wait.comm
+        waited = time.monotonic() - wait.since
+        what = wait.op
+        if wait.tag >= 0:
+            what += f" of {comm.describe(wait.tag)}"
+        lines = [
+            f"zerompi watchdog: rank {comm.rank} of {comm.size} has waited {waited:.1f} s "
+            f"(timeout {wait.timeout:g} s) in {what}, step {comm.step}, collective call "
+            f"#{wait.seq}"
+        ]
+        if comm.heartbeat is not None:
+            lines.extend(comm.heartbeat.report(comm.rank, wait.seq))
+        else:
+            lines.append(
+                "zerompi watchdog: no heartbeat on this communicator: which ranks have not "
+                "arrived cannot be told from here (each rank that waits prints its own line)"
+            )
+        lines.append(
+            f"zerompi watchdog: a rank skipped or added a collective call (an `if rank == "
+            f"0:` around a collective, an exception caught on one rank, a different number "
+            f"of steps); aborting all ranks. Set {TIMEOUT_ENV} (seconds, 0 = off) or "
+            "ZeroOptimizer(timeout=...) if waits this long are expected"
+        )
+        sys.stderr.write("\n".join(lines) + "\n")
+        abort_world(1)
+
+
+#: The process's one watchdog.
+WATCHDOG = Watchdog()
