@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from zerompi import ZeroOptimizer
 from zerompi.buffers import CATEGORIES
-from zerompi.engine import DEFAULT_BUCKET_ELEMS
+from zerompi.partition import DEFAULT_BUCKET_ELEMS
 from zerompi.memory import (
     estimate,
     estimate_max,

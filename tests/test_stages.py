@@ -752,7 +752,7 @@ def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
         hand_over(opt, ("a",), rank_grads(TINY, 0, comm.rank))
         opt.step()
         before = opt.full_params()
-    if not opt._closed or opt.pool.windows:
+    if not opt._closed or opt.pool.segments:
         problems.append("not closed on exit")
     after = opt.full_params()  # the parameters moved out of the window, still readable
     for name in before:

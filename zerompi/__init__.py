@@ -46,7 +46,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "ZeroOptimizer":
-        from . import engine
+        from . import optimizer
 
-        return getattr(engine, name)
+        return getattr(optimizer, name)
     raise AttributeError(f"module 'zerompi' has no attribute {name!r}")

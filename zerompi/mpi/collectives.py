@@ -106,9 +106,18 @@ class Comm(FileIO, Agreement):
         self.step = 0
         #: Names a bucket number in reports (the optimizer sets it).
         self.describe: Callable[[int], str] = lambda tag: f"bucket {tag}"
+        #: Seconds one wait may take (None: no watchdog); see :mod:`.watchdog`.
         self.timeout = resolve_timeout(timeout)
-        self.heartbeat = None
-        if heartbeat and self.size > 1 and self.timeout is not None:
+        #: This node's heartbeat (:meth:`enable_heartbeat`), for the watchdog's report.
+        self.heartbeat: Any = None
+        if heartbeat:
+            self.enable_heartbeat()
+
+    def enable_heartbeat(self) -> None:
+        """Collective: keep this node's heartbeat in shared memory, so that a rank
+        whose wait times out can name the ranks of its node that have not arrived.
+        Nothing to do with one rank or without a timeout."""
+        if self.heartbeat is None and self.size > 1 and self.timeout is not None:
             from .shm import make_heartbeat
             from .watchdog import OPS
 
@@ -152,10 +161,10 @@ class Comm(FileIO, Agreement):
                 f"{buf.shape[0]} elements on {self.size} ranks"
             )
 
-    def _count_rs(self, total: int, mine: int, itemsize: int) -> None:
+    def count_reduce_scatter(self, total: int, mine: int, itemsize: int) -> None:
         self._count("reduce_scatter", (total - mine) * itemsize, (self.size - 1) * mine * itemsize)
 
-    def _count_ag(self, total: int, mine: int, itemsize: int) -> None:
+    def count_allgather(self, total: int, mine: int, itemsize: int) -> None:
         self._count("allgather", (self.size - 1) * mine * itemsize, (total - mine) * itemsize)
 
     def reduce_scatter_inplace(
@@ -178,7 +187,7 @@ class Comm(FileIO, Agreement):
             lambda: self.mpi.Allgatherv(MPI.IN_PLACE, [buf, list(counts), list(displs),
                                                       _mpi_type(buf)]),
         )  # fmt: skip
-        self._count_ag(sum(counts), counts[self.rank], buf.itemsize)
+        self.count_allgather(sum(counts), counts[self.rank], buf.itemsize)
 
     def ireduce_scatter(
         self, buf: np.ndarray, counts: Sequence[int], out: np.ndarray | None = None,
@@ -203,7 +212,7 @@ class Comm(FileIO, Agreement):
             send, recv = [buf, _mpi_type(buf)], [out, _mpi_type(out)]
         seq = self._start(_RS, tag, buf.shape[0])
         request = self.mpi.Ireduce_scatter(send, recv, recvcounts=list(counts), op=MPI.SUM)
-        self._count_rs(buf.shape[0], mine, buf.itemsize)
+        self.count_reduce_scatter(buf.shape[0], mine, buf.itemsize)
         return Pending(request, out, self, "reduce_scatter", seq, tag)
 
     def iallgatherv(
@@ -215,7 +224,7 @@ class Comm(FileIO, Agreement):
         request = self.mpi.Iallgatherv(
             MPI.IN_PLACE, [buf, list(counts), list(displs), _mpi_type(buf)]
         )
-        self._count_ag(sum(counts), counts[self.rank], buf.itemsize)
+        self.count_allgather(sum(counts), counts[self.rank], buf.itemsize)
         return Pending(request, buf, self, "allgatherv", seq, tag)
 
     def iallreduce(self, buf: np.ndarray, tag: int = -1) -> Pending:

@@ -1,0 +1,578 @@
+"""``ZeroOptimizer``: plain data parallelism (stage 0) and ZeRO stages 1-3 over MPI.
+
+The model's parameters are packed into one flat buffer per dtype, cut into buckets
+and sharded with :func:`zerompi.partition.shard_range`. What a stage keeps and moves
+is data (:mod:`zerompi.plan`); ``step()`` is one pipeline for all of them::
+
+    reduce -> agree (statistics + fingerprint) -> skip or clip -> Adam -> gather
+
+Model code reads parameters and hands over gradients layer by layer::
+
+    for name in layers:                          # forward
+        with opt.gathered(name) as p:            # stage 3 gathers the layer here
+            h = forward(p, h)
+    for name in reversed(layers):                # backward
+        with opt.gathered(name) as p, opt.gradients(name) as g:
+            d = backward(p, g, d)                # adds into g[...]; stages 2-3 reduce on exit
+    opt.step()
+
+``gathered`` / ``gradients`` take parameter names or group names (a group is the
+prefix before the last dot, ``"layer0"`` for ``"layer0.weight"``). In stages 0-2
+``opt.params[name]`` are persistent views of the full parameters, and
+``opt.grads[name]`` full-size gradient views (in stage 2 a full staging buffer is
+allocated the first time ``opt.grads`` is used, which must be before the first
+``accumulate()``/``step()``: the streamed hand-over is what keeps stage 2's
+gradients at ``1/W``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+from mpi4py import MPI
+
+from .adam import AdamConfig, adam_step, grad_stats
+from .arrays import FlatArrays, check_failure_settings, check_params
+from .buffers import OVERLAP_SLOTS, BufferPool, buffer_plan, full_grads_plan
+from .gather import MPIGather, NoGather, SharedGather
+from .mpi.agreement import CollectiveError, first_difference
+from .mpi.collectives import Comm
+from .mpi.launch import check_world, install_abort_hook
+from .mpi.watchdog import resolve_timeout
+from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_layout
+from .plan import bucket_parts, shard_of, stage_plan
+from .reducer import FullReducer, StreamReducer
+from .state import PHASES, OptimizerState
+
+__all__ = ["PHASES", "ZeroOptimizer"]
+
+#: Elements per Adam call in ``step()``: between calls, MPI advances the gathers of
+#: the buckets already updated (without a progress thread, it moves data only inside
+#: MPI calls). ~1 MiB of float32: far above the per-call cost, well below a bucket.
+ADAM_CHUNK = 1 << 18
+
+#: ``ZEROMPI_DEBUG=1``: fill a stage-3 gather buffer with NaN when its block ends, so
+#: an array kept past its ``gathered`` block shows NaN instead of the next layer.
+DEBUG = os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0")
+
+
+class ZeroOptimizer(OptimizerState):
+    """Sharded Adam/AdamW (stage 0 baseline, ZeRO stages 1-3) over an MPI communicator.
+
+    Building one is collective: the layout (names, order, shapes, dtypes), stage and
+    settings are checked to be identical on every rank, and any error is raised on
+    every rank. Initial parameter values are broadcast from rank 0.
+
+    Gradients are *added* (``+=``), like torch's ``.grad``. Each rank's contribution
+    is averaged over ranks and over the micro-batches counted by ``accumulate()``;
+    ``step()`` without any ``accumulate()`` counts one. A parameter whose gradient is
+    never handed over in a step has a zero gradient in that step (in every stage).
+
+    ``step()`` agrees over all ranks, in one small collective, on the number of
+    non-finite elements of the averaged gradient, its global L2 norm
+    (``opt.last_grad_norm``, before clipping), the step and micro-batch counts and
+    the fingerprint of the collective calls each rank made since the last step. Ranks
+    that handed over different buckets, or a different number of micro-batches, get
+    a :class:`CollectiveError` on every rank, naming the first call that differs (the
+    step's gradients are discarded, the state is untouched). A non-finite gradient or
+    norm skips the step on every rank alike (``opt.skipped_steps``; with
+    ``nonfinite="raise"`` every rank raises ``FloatingPointError``). With
+    ``max_norm``, gradients are scaled by ``min(1, max_norm / (norm + 1e-6))``,
+    torch's ``clip_grad_norm_``.
+
+    ``timeout`` (seconds; default ``$ZEROMPI_TIMEOUT``, else 600; ``0`` or ``"none"``
+    disables): any wait inside zerompi longer than this (a rank that never entered a
+    collective) prints a diagnosis and aborts the job (:mod:`zerompi.mpi.watchdog`).
+    """
+
+    def __init__(
+        self,
+        params: Mapping[str, np.ndarray | Deferred],
+        *,
+        comm: MPI.Intracomm | None = None,
+        stage: int = 1,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = False,
+        bucket_elems: int = DEFAULT_BUCKET_ELEMS,
+        group_of: Callable[[str], str] = default_group,
+        max_norm: float | None = None,
+        nonfinite: str = "skip",
+        overlap: bool = True,
+        shared_memory: bool = False,
+        timeout: float | str | None = None,
+    ) -> None:
+        install_abort_hook()  # an uncaught exception on any rank aborts the whole job
+        self.comm = Comm(comm, timeout=0)  # the watchdog is armed once settings agree
+        error: BaseException | None = None
+        specs: list[tuple[str, tuple[int, ...], np.dtype]] = []
+        keys: list[str] = []
+        seconds: float | None = None
+        try:
+            check_world()
+            specs = check_params(params)
+            try:
+                b1, b2 = betas
+            except (TypeError, ValueError):
+                raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
+            self.config = AdamConfig(lr, b1, b2, eps, weight_decay, decoupled_weight_decay)
+            self.layout = optimizer_layout(
+                specs, self.comm.size, self.comm.rank, stage, bucket_elems, group_of
+            )
+            keys = [group_of(name) for name, _, _ in specs]
+            self.max_norm = check_failure_settings(max_norm, nonfinite)
+            self.nonfinite = nonfinite
+            for name, flag in (("overlap", overlap), ("shared_memory", shared_memory)):
+                if not isinstance(flag, bool):
+                    raise TypeError(f"{name} must be a bool, got {flag!r:.60}")
+            seconds = resolve_timeout(timeout)
+        except Exception as exc:  # whatever it is, every rank must hear of it
+            error = exc
+        comm_ = self.comm
+        comm_.agree(error)
+        comm_.check_same(
+            [(n, s, d.str, k) for (n, s, d), k in zip(specs, keys, strict=True)],
+            "the parameter layout (name, shape, dtype, group)",
+        )
+        comm_.check_same(
+            (stage, self.config, int(bucket_elems)),
+            "the optimizer settings (stage, hyperparameters, bucket_elems)",
+        )
+        comm_.check_same(
+            (self.max_norm, self.nonfinite), "the failure settings (max_norm, nonfinite)"
+        )
+        comm_.check_same((overlap, shared_memory), "(overlap, shared_memory)")
+        comm_.check_same(seconds, "the watchdog timeout (timeout or ZEROMPI_TIMEOUT)")
+        comm_.timeout = seconds
+        comm_.enable_heartbeat()
+        comm_.describe = self._describe
+        self.stage = stage
+        self.overlap = overlap
+        #: Whether stages 2-3 reduce through node shared memory (asked for with
+        #: shared_memory=True, and every rank on one node).
+        self.shared_memory = bool(shared_memory and stage >= 2 and comm_.single_node())
+        self.plan = stage_plan(stage, self.shared_memory)
+        self._closed = False
+        self.step_count = 0
+        #: Steps skipped because the averaged gradient was not finite.
+        self.skipped_steps = 0
+        #: Global L2 norm of the last step's averaged gradient, before clipping
+        #: (``nan`` before the first step; ``inf`` or ``nan`` for a skipped step).
+        self.last_grad_norm = math.nan
+        self.timings = dict.fromkeys(PHASES, 0.0)
+        self._order = list(params)
+        self._micro_batches = 0
+        self._gathered: int | None = None  # stage 3: bucket in the gather buffer
+        self._stats = np.zeros(7)  # this rank's row of the step agreement
+        self._allocate(params)
+        comm_.step = 1
+
+    # -- setup -----------------------------------------------------------------
+
+    def _allocate(self, params: Mapping[str, np.ndarray | Deferred]) -> None:
+        """Every buffer the optimizer keeps, allocated once, here, from the plan
+        :mod:`zerompi.memory` estimates from; then the per-bucket views and the
+        reducer and gatherer of this plan."""
+        pool = self.pool = BufferPool()
+        layout, stage, comm = self.layout, self.stage, self.comm
+        stores: dict[str, dict[np.dtype, np.ndarray]] = {}
+        for buf in buffer_plan(layout, stage, self.overlap):
+            shared = comm if buf.kind in self.plan.shared_kinds else None
+            stores.setdefault(buf.kind, {})[buf.dtype] = pool.zeros(
+                buf.name, buf.count, buf.dtype, buf.category, shared=shared
+            )
+        self._stores = stores
+        self._flat = stores["params"]  # full params (0-2) or shard (3)
+        self._specs = {spec.name: spec for spec in layout.params}
+        if self.plan.full_params:
+            views = {n: self._view(self._flat, n) for n in self._order}
+            self._params = FlatArrays(views, "parameter")
+            self._initialize(params, list(self._order), lambda name: views[name])
+            for index, flat in enumerate(self._flat.values()):
+                comm.bcast_inplace(flat, root=0, tag=-2 - index)
+        else:
+            gather = stores["param_bucket"]
+            for i, bucket in enumerate(layout.buckets):  # rank 0's values, bucket by bucket
+                buf = gather[bucket.dtype][: bucket.size]
+                self._initialize(
+                    params, bucket.names, lambda n, b=bucket, f=buf: self._bucket_view(f, b, n)
+                )
+                comm.bcast_inplace(buf, root=0, tag=i)
+                shard_of(self._flat, layout, i)[...] = buf[slice(*bucket.local(comm.rank))]
+        self.parts = bucket_parts(self.plan, layout, stores)
+        if self.plan.full_grads:
+            self._grads = FlatArrays(
+                {n: self._view(stores["grads"], n) for n in self._order}, "gradient"
+            )
+            self.reducer: FullReducer | StreamReducer = FullReducer(
+                comm, layout, self.parts, allreduce=self.plan.reduce == "allreduce"
+            )
+        else:
+            segments = {d: pool.segments[f"grad_bucket.{d.name}"] for d in layout.sizes} \
+                if self.plan.shared_memory else None  # fmt: skip
+            self.reducer = StreamReducer(
+                comm, layout, self.parts, stores["grad_bucket"],
+                OVERLAP_SLOTS if self.overlap else 1, segments,
+                self._full_grads if stage == 2 else None,
+            )  # fmt: skip
+        if self.plan.gather == "allgatherv":
+            self.gatherer: NoGather = MPIGather(comm, layout, self.parts)
+        elif self.plan.gather == "shared":
+            segments = {d: pool.segments[f"params.{d.name}"] for d in layout.sizes}
+            self.gatherer = SharedGather(comm, layout, segments)
+        else:
+            self.gatherer = NoGather()
+
+    def _initialize(
+        self,
+        params: Mapping[str, np.ndarray | Deferred],
+        names: Sequence[str],
+        target: Callable[[str], np.ndarray],
+    ) -> None:
+        """Collective: rank 0 writes the initial values of ``names`` into ``target(name)``
+        (the caller broadcasts them); a failing ``init`` raises on every rank."""
+        error = None
+        if self.comm.rank == 0:
+            try:
+                for name in names:
+                    value = params[name]
+                    if isinstance(value, Deferred):
+                        value = value.materialize(name)
+                    np.copyto(target(name), value, casting="same_kind")
+            except Exception as exc:
+                error = exc
+        self.comm.agree(error)
+
+    def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
+        spec = self._specs[name]
+        return flat[spec.dtype][spec.offset : spec.offset + spec.size].reshape(spec.shape)
+
+    def _bucket_view(self, buf: np.ndarray, bucket: object, name: str) -> np.ndarray:
+        spec = self._specs[name]
+        lo = spec.offset - bucket.start  # type: ignore[attr-defined]
+        return buf[lo : lo + spec.size].reshape(spec.shape)
+
+    def _describe(self, index: int) -> str:
+        """Bucket ``index`` in words, for error messages and the watchdog."""
+        bucket = self.layout.buckets[index]
+        names = ", ".join(bucket.names[:3]) + (", ..." if len(bucket.names) > 3 else "")
+        return f"bucket {index} [{names}]"
+
+    def _resolve(self, names: tuple[str, ...]) -> list[str]:
+        """Parameter names for a mix of parameter and group names."""
+        out: list[str] = []
+        for name in names:
+            if name in self._specs:
+                out.append(name)
+            elif name in self.layout.groups:
+                out.extend(self.layout.groups[name])
+            else:
+                raise KeyError(f"{name!r} is neither a parameter nor a group of this model")
+        return out
+
+    def _single_bucket(self, names: list[str], what: str) -> int:
+        bucket_of = self.layout.bucket_of
+        index = bucket_of[names[0]]
+        if any(bucket_of[n] != index for n in names):
+            count = len({bucket_of[n] for n in names})
+            raise ValueError(
+                f"opt.{what}() takes the parameters of one bucket at a time in stage "
+                f"{self.stage}; {names} span {count} buckets"
+            )
+        return index
+
+    def _live(self, what: str) -> None:
+        """Refuse training calls after ``close()``, before touching any state."""
+        if self._closed:
+            raise RuntimeError(
+                f"opt.{what}() after close(): this optimizer was closed (its staging and "
+                "shared-memory buffers are released); its parameters can still be read "
+                "and saved, not trained"
+            )
+
+    # -- parameters and gradients ---------------------------------------------------
+
+    @property
+    def params(self) -> FlatArrays:
+        """Name -> full parameter (a view into the flat buffer). Stages 0-2 only."""
+        if not self.plan.full_params:
+            raise AttributeError(
+                "stage 3 keeps only parameter shards: read parameters inside "
+                "`with opt.gathered(names) as p`, or copy them all with opt.full_params()"
+            )
+        return self._params
+
+    @property
+    def grads(self) -> FlatArrays:
+        """Name -> full-size gradient view to add into. Stages 0-2; in stage 2 this
+        allocates a full staging buffer on first use, which must come before the first
+        ``accumulate()``/``step()`` on that rank: the ranks agree once, then, whether
+        to reduce it (hand gradients over with ``opt.gradients(names)`` instead to
+        keep them at ``1/W``)."""
+        if self.stage == 3:
+            raise AttributeError(
+                "stage 3 has no full gradient: add gradients inside "
+                "`with opt.gradients(names) as g`"
+            )
+        if self.stage == 2 and self.reducer.full is None:  # type: ignore[union-attr]
+            reducer = self.reducer
+            assert isinstance(reducer, StreamReducer)
+            if reducer.full_mode is False:
+                raise RuntimeError(
+                    "stage 2: opt.grads used for the first time after the first "
+                    "accumulate()/step(): the ranks agreed then not to reduce full "
+                    "gradients. Touch opt.grads before the first step on any rank that "
+                    "uses it, or hand gradients over with opt.gradients(names)"
+                )
+            reducer.full = self._full_grads()
+        return self._grads
+
+    def _full_grads(self) -> dict[np.dtype, np.ndarray]:
+        """Stage 2's full gradient buffers (``opt.grads``), allocated on first use."""
+        full = {
+            buf.dtype: self.pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
+            for buf in full_grads_plan(self.layout)
+        }
+        self._grads = FlatArrays({n: self._view(full, n) for n in self._order}, "gradient")
+        return full
+
+    @contextmanager
+    def gathered(self, *names: str) -> Iterator[Mapping[str, np.ndarray]]:
+        """The full parameters ``names`` (parameter or group names) for the duration of
+        the block. Stage 3 gathers their bucket with ``Allgatherv`` into the gather
+        buffer (collective: every rank must enter it) and releases it on exit; the
+        arrays must not be used after the block (``ZEROMPI_DEBUG=1`` fills them with
+        NaN on exit). Stages 0-2: the persistent views."""
+        self._live("gathered")
+        resolved = self._resolve(names)
+        if self.plan.full_params:
+            yield {n: self._params[n] for n in resolved}
+            return
+        index = self._single_bucket(resolved, "gathered")
+        if self._gathered is not None:
+            raise RuntimeError(
+                "opt.gathered() blocks cannot nest in stage 3: one layer's parameters are "
+                "gathered at a time"
+            )
+        bucket = self.layout.buckets[index]
+        buf = self._stores["param_bucket"][bucket.dtype][: bucket.size]
+        start = time.perf_counter()
+        buf[slice(*bucket.local(self.comm.rank))] = self.parts[index].param
+        self.comm.iallgatherv(buf, bucket.counts, bucket.displs, tag=index).wait()
+        self.timings["allgather"] += time.perf_counter() - start
+        self._gathered = index
+        try:
+            yield {n: self._bucket_view(buf, bucket, n) for n in resolved}
+        finally:
+            self._gathered = None
+            if DEBUG:
+                buf.fill(np.nan)
+
+    @contextmanager
+    def gradients(self, *names: str) -> Iterator[Mapping[str, np.ndarray]]:
+        """Arrays to *add* the gradients of ``names`` into. On exit they are handed
+        over: in stages 2-3, once every parameter of a bucket has been handed over in
+        this micro-batch, the bucket is reduce-scattered (collective) and only this
+        rank's shard kept. Stages 0-1: views into the full gradient buffer."""
+        self._live("gradients")
+        resolved = self._resolve(names)
+        if self.plan.full_grads:
+            yield {n: self._grads[n] for n in resolved}
+            return
+        index = self._single_bucket(resolved, "gradients")
+        reducer = self.reducer
+        assert isinstance(reducer, StreamReducer)
+        start = time.perf_counter()
+        buf = reducer.begin(index)
+        self.timings["reduce_scatter"] += time.perf_counter() - start
+        bucket = self.layout.buckets[index]
+        yield {n: self._bucket_view(buf, bucket, n) for n in resolved}
+        start = time.perf_counter()
+        reducer.handed_over(resolved)
+        self.timings["reduce_scatter"] += time.perf_counter() - start
+
+    # -- training --------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        """Discard every gradient added or accumulated since the last step."""
+        self._live("zero_grad")
+        self._discard()
+
+    def _discard(self) -> None:
+        self.reducer.discard()
+        self._micro_batches = 0
+
+    def accumulate(self) -> None:
+        """End of one micro-batch: its gradients are folded into the accumulated
+        gradient and the gradient buffers take the next one. No collective of its
+        own: the step's agreement checks that every rank counted alike."""
+        self._live("accumulate")
+        self._micro_batches += 1
+        start = time.perf_counter()
+        self.reducer.end_micro_batch()
+        self.timings["reduce_scatter"] += time.perf_counter() - start
+
+    def step(self) -> None:
+        """Collective: reduce -> agree -> skip or clip -> Adam -> gather.
+
+        Averages the gradients over ranks and micro-batches, agrees on their
+        statistics and on the collective calls made, skips a non-finite step on
+        every rank, clips if ``max_norm`` is set, runs Adam on this rank's part of
+        every bucket and publishes the updated parameters. Leaves every gradient
+        buffer zeroed."""
+        self._live("step")
+        if self._micro_batches == 0:
+            self.accumulate()  # what was handed over is the one micro-batch
+        else:
+            self.reducer.flush()
+        clock = time.perf_counter
+        t0 = clock()
+        stats = self._reduce()
+        norm, nonfinite = self._agree(stats)
+        self.timings["reduce_scatter"] += clock() - t0
+        divisor = float(self.comm.size * self._micro_batches)
+        if nonfinite or not math.isfinite(norm):
+            return self._skip(nonfinite)
+        if self.max_norm is not None:
+            coef = self.max_norm / (norm + 1e-6)
+            if coef < 1.0:  # torch's clip_grad_norm_: scale by min(1, coef)
+                divisor /= coef
+        self.step_count += 1
+        self._adam(divisor)
+        t2 = clock()
+        self.gatherer.finish()
+        self.timings["allgather"] += clock() - t2
+        self._end_step()
+
+    def _reduce(self) -> np.ndarray:
+        """Every bucket's reduction, and this rank's row of the agreement."""
+        stats = self._stats
+        stats[:2] = 0.0
+        parts = self.parts
+
+        def visit(index: int) -> None:
+            part = parts[index]
+            bad, sumsq = grad_stats(part.stats, part.scratch)
+            stats[0] += bad
+            stats[1] += sumsq
+
+        self.reducer.reduce(visit)
+        stats[2], stats[3] = self.step_count, self._micro_batches
+        stats[4:7] = self.comm.fingerprint.words()
+        return stats
+
+    def _agree(self, stats: np.ndarray) -> tuple[float, int]:
+        """The step's one small collective: every rank's statistics, step and
+        micro-batch counts and collective fingerprint, summed in rank order so every
+        rank reaches the same decision. Raises :class:`CollectiveError` on every rank
+        when the ranks disagree (the gradients are discarded first)."""
+        comm = self.comm
+        rows = comm.allgather_float64(stats, op="step agreement")
+        log = comm.fingerprint.log
+        comm.fingerprint.reset()
+        problem = None
+        for column, what in ((2, "step count"), (3, "number of micro-batches")):
+            if problem is None and (rows[:, column] != rows[0, column]).any():
+                r = int(np.argmax(rows[:, column] != rows[0, column]))
+                problem = (
+                    f"the {what} differs between ranks: rank 0 has {int(rows[0, column])}, "
+                    f"rank {r} has {int(rows[r, column])} (every rank must call step() "
+                    "and accumulate() alike)"
+                )
+        if problem is None and (rows[:, 4:7] != rows[0, 4:7]).any():
+            where = first_difference(comm.allgather(log), self._describe)
+            problem = (
+                f"the ranks' collective calls differ in step {self.step_count + 1}: "
+                f"{where}. Every rank must hand over and gather the same buckets in the "
+                "same order"
+            )
+        if problem is not None:
+            self._discard()
+            raise CollectiveError(f"{problem}; this step's gradients were discarded")
+        nonfinite = int(math.fsum(rows[:, 0]))
+        try:
+            sumsq = math.fsum(rows[:, 1])  # the same on every rank
+        except (OverflowError, ValueError):  # inf - inf, or finite terms overflowing
+            sumsq = math.inf if not np.isnan(rows[:, 1]).any() else math.nan
+        norm = math.sqrt(sumsq) / float(self.comm.size * self._micro_batches)
+        self.last_grad_norm = norm
+        return norm, nonfinite
+
+    def _skip(self, nonfinite: int) -> None:
+        """A non-finite gradient or norm: the same on every rank, state untouched."""
+        self.skipped_steps += 1
+        self._discard()
+        self.comm.step = self.step_count + 1
+        if self.nonfinite == "raise":
+            what = (
+                f"has {nonfinite} non-finite element(s)" if nonfinite
+                else f"has a norm that overflows ({self.last_grad_norm})"
+            )  # fmt: skip
+            raise FloatingPointError(
+                f"step {self.step_count + 1}: the averaged gradient {what} over "
+                f"{self.comm.size} rank(s); the step was skipped (parameters and Adam "
+                "state unchanged)"
+            )
+
+    def _adam(self, divisor: float) -> None:
+        """Adam on this rank's part, bucket by bucket, in chunks; each bucket's gather
+        starts as soon as its part is updated and advances between the chunks."""
+        clock = time.perf_counter
+        adam_s = gather_s = 0.0
+        step_count, config, gatherer = self.step_count, self.config, self.gatherer
+        for part in self.parts:
+            param, grad, m, v, scratch = (
+                part.param, part.grad, part.exp_avg, part.exp_avg_sq, part.scratch
+            )  # fmt: skip
+            for lo in range(0, param.shape[0], ADAM_CHUNK):
+                hi = lo + ADAM_CHUNK
+                t1 = clock()
+                adam_step(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step_count, config,
+                          scratch, divisor)  # fmt: skip
+                t2 = clock()
+                adam_s += t2 - t1
+                gatherer.progress()
+                gather_s += clock() - t2
+            t2 = clock()
+            gatherer.started(part.index)
+            gather_s += clock() - t2
+        self.timings["adam"] += adam_s
+        self.timings["allgather"] += gather_s
+
+    def _end_step(self) -> None:
+        self.reducer.consumed()
+        self._micro_batches = 0
+        self.comm.step = self.step_count + 1
+
+    def close(self) -> None:
+        """Collective: finish what is in flight and release the shared-memory
+        segments. Arrays handed out before stay valid; the optimizer can still be
+        inspected and saved, not trained. ``with ZeroOptimizer(...) as opt:`` calls
+        it on a normal exit."""
+        if not self._closed:
+            self.reducer.close()
+            self.pool.close()
+            self._closed = True
+
+    def __enter__(self) -> ZeroOptimizer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Not while an exception propagates: it may be on this rank only, and close()
+        # is collective; the abort hook ends the world instead.
+        if exc_type is None:
+            self.close()
+
+    def __repr__(self) -> str:
+        total = sum(self.layout.sizes.values())
+        return (
+            f"ZeroOptimizer(stage={self.stage}, params={total}, buckets="
+            f"{len(self.layout.buckets)}, rank={self.comm.rank}/{self.comm.size})"
+        )

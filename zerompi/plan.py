@@ -1,0 +1,126 @@
+"""What differs between stages, as data: a :class:`StagePlan` and, per bucket, a
+:class:`Part` saying where its gradient, parameters and moments live on this rank.
+
+======  ==========  ====================  =============  ===============================
+stage   parameters  gradients             Adam moments   reduction / gather
+======  ==========  ====================  =============  ===============================
+0       full        full                  full           Allreduce; no gather
+1       full        full                  shard          Reduce_scatter at step; Allgatherv
+2       full        shard (+2 buckets)    shard          Ireduce_scatter per bucket as its
+                                                         gradients arrive; Iallgatherv
+3       shard       shard (+2 buckets)    shard          as 2; parameters Allgatherv'd per
+                                                         layer into 1 bucket when used
+======  ==========  ====================  =============  ===============================
+
+The step never asks which stage it runs: it reduces (a :mod:`zerompi.reducer`), reads
+each bucket's :class:`Part`, runs Adam on ``part.param`` with ``part.grad`` and the
+moments, and lets a :mod:`zerompi.gather` gatherer publish the result. The parts are
+views computed once, here, so a step does no per-bucket lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .partition import Layout
+
+Store = Mapping[np.dtype, np.ndarray]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """How one stage keeps and moves its data."""
+
+    stage: int
+    #: Every rank holds every parameter (stages 0-2); else its shards (3).
+    full_params: bool
+    #: The model adds into full gradient buffers, reduced at ``step()`` (stages 0-1);
+    #: else gradients are handed over bucket by bucket and reduced as they arrive.
+    full_grads: bool
+    #: ``"allreduce"`` (stage 0) or ``"reduce_scatter"``.
+    reduce: str
+    #: After Adam: ``"none"`` (0, and 3 which gathers on use), ``"allgatherv"`` (1,
+    #: and 2 over MPI) or ``"shared"`` (2 through node shared memory).
+    gather: str
+    #: Buffers that live in node shared memory.
+    shared_kinds: tuple[str, ...]
+
+    @property
+    def shared_memory(self) -> bool:
+        return bool(self.shared_kinds)
+
+
+def stage_plan(stage: int, shared_memory: bool) -> StagePlan:
+    """The plan of ``stage``; ``shared_memory`` (stages 2-3, one node) moves the
+    staging buckets, and in stage 2 the parameters, into node shared memory."""
+    shared = shared_memory and stage >= 2
+    return StagePlan(
+        stage=stage,
+        full_params=stage <= 2,
+        full_grads=stage <= 1,
+        reduce="allreduce" if stage == 0 else "reduce_scatter",
+        gather={0: "none", 1: "allgatherv", 2: "shared" if shared else "allgatherv", 3: "none"}[
+            stage
+        ],
+        shared_kinds=(("grad_bucket", "params") if stage == 2 else ("grad_bucket",))
+        if shared
+        else (),
+    )
+
+
+class Part(NamedTuple):
+    """Bucket ``index`` on this rank, as Adam and the statistics see it."""
+
+    index: int
+    #: The reduced (summed) gradient of what Adam updates, once the reduction is done.
+    grad: np.ndarray
+    #: The elements of ``grad`` this rank counts in the global statistics (each
+    #: element of the model is counted by exactly one rank).
+    stats: np.ndarray
+    #: The parameters Adam updates (this rank's shard, or the bucket in stage 0).
+    param: np.ndarray
+    exp_avg: np.ndarray
+    exp_avg_sq: np.ndarray
+    scratch: np.ndarray
+    #: The whole bucket of parameters (stages 0-2), what a gather fills; else None.
+    full_param: np.ndarray | None
+    #: The whole bucket of the full gradient buffer (stages 0-1), what is reduced.
+    full_grad: np.ndarray | None
+
+
+def shard_of(store: Store, layout: Layout, index: int) -> np.ndarray:
+    """This rank's shard of bucket ``index`` in a shard-sized buffer."""
+    bucket = layout.buckets[index]
+    lo = bucket.shard_offset
+    return store[bucket.dtype][lo : lo + bucket.counts[layout.rank]]
+
+
+def bucket_parts(plan: StagePlan, layout: Layout, stores: Mapping[str, Store]) -> list[Part]:
+    """Every bucket's :class:`Part` over the optimizer's buffers (``stores`` by kind:
+    ``params``, ``grads``, ``exp_avg``, ``exp_avg_sq``, ``scratch``)."""
+    parts = []
+    params, grads = stores["params"], stores["grads"]
+    for index, bucket in enumerate(layout.buckets):
+        dtype, (lo, hi) = bucket.dtype, bucket.local(layout.rank)
+        whole = slice(bucket.start, bucket.stop)
+        full_param = params[dtype][whole] if plan.full_params else None
+        full_grad = grads[dtype][whole] if plan.full_grads else None
+        if plan.stage == 0:  # everything everywhere; count each element once
+            grad, stats, param, moments = full_grad, full_grad[lo:hi], full_param, whole
+        else:
+            # stage 1 reduces in place: the shard lands at the top of the bucket
+            grad = full_grad[: hi - lo] if full_grad is not None else shard_of(grads, layout, index)
+            stats = grad
+            param = full_param[lo:hi] if full_param is not None else shard_of(params, layout, index)
+            moments = slice(bucket.shard_offset, bucket.shard_offset + hi - lo)
+        exp_avg = stores["exp_avg"][dtype][moments]
+        exp_avg_sq = stores["exp_avg_sq"][dtype][moments]
+        scratch = stores["scratch"][dtype]
+        parts.append(
+            Part(index, grad, stats, param, exp_avg, exp_avg_sq, scratch, full_param, full_grad)
+        )
+    return parts

@@ -1,0 +1,180 @@
+"""The optimizer's state seen from outside: inspection, memory, and the public state
+interface that checkpoints go through (:mod:`zerompi.checkpoint` reads no private
+attribute). A mixin of :class:`zerompi.optimizer.ZeroOptimizer`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .plan import shard_of
+
+if TYPE_CHECKING:
+    from .adam import AdamConfig
+    from .buffers import BufferPool
+    from .mpi.collectives import Comm
+    from .partition import Layout
+    from .plan import StagePlan
+
+PHASES = ("reduce_scatter", "adam", "allgather")
+
+#: The kinds of state a checkpoint holds, in file order.
+STATE_KINDS = ("params", "exp_avg", "exp_avg_sq")
+
+
+class OptimizerState:
+    """Inspection and checkpoint interface of :class:`ZeroOptimizer`."""
+
+    comm: Comm
+    layout: Layout
+    plan: StagePlan
+    pool: BufferPool
+    config: AdamConfig
+    stage: int
+    step_count: int
+    skipped_steps: int
+    timings: dict[str, float]
+    _order: list[str]
+    _stores: dict[str, dict[np.dtype, np.ndarray]]
+    _specs: dict[str, Any]
+
+    def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def _discard(self) -> None:
+        raise NotImplementedError
+
+    # -- inspection ------------------------------------------------------------
+
+    def pop_timings(self) -> dict[str, float]:
+        """Seconds spent per phase since the last call, and reset."""
+        out, self.timings = self.timings, dict.fromkeys(PHASES, 0.0)
+        return out
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes this rank's optimizer holds, per category: the reference's four
+        (``optimizer_states``, ``gradient_partitions``, ``parameter_partitions``,
+        ``communication_buffers``) plus the Adam kernel's ``scratch``."""
+        return self.pool.usage()
+
+    def memory_buffers(self) -> dict[str, int]:
+        """Bytes per named buffer (``grad_bucket.float32``, ``exp_avg.float32``, ...)."""
+        return self.pool.buffers()
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        """Collective: a copy of every full parameter, on every rank (any stage)."""
+        if self.plan.full_params:
+            self.comm.barrier()  # collective at every stage: `if rank == 0:` fails alike
+            return {n: self._view(self._stores["params"], n).copy() for n in self._order}
+        return self._gather_full(self._stores["params"])
+
+    def gather_state(self) -> dict[str, dict[str, np.ndarray]]:
+        """Collective: the full (unsharded) ``exp_avg`` and ``exp_avg_sq`` of every
+        parameter on every rank. Allocates full-size arrays: for checks and export,
+        not for the training loop."""
+        if self.stage == 0:
+            self.comm.barrier()
+            return {
+                kind: {n: self._view(self._stores[kind], n).copy() for n in self._order}
+                for kind in ("exp_avg", "exp_avg_sq")
+            }
+        return {kind: self._gather_full(self._stores[kind]) for kind in ("exp_avg", "exp_avg_sq")}
+
+    def _gather_full(self, shards: Mapping[np.dtype, np.ndarray]) -> dict[str, np.ndarray]:
+        full = {dtype: np.zeros(size, dtype) for dtype, size in self.layout.sizes.items()}
+        traffic, self.comm.traffic = self.comm.traffic, {}  # not training traffic
+        try:
+            for index, bucket in enumerate(self.layout.buckets):
+                part = full[bucket.dtype][bucket.start : bucket.stop]
+                part[slice(*bucket.local(self.comm.rank))] = shard_of(shards, self.layout, index)
+                self.comm.allgatherv_inplace(part, bucket.counts, bucket.displs, tag=index)
+        finally:
+            self.comm.traffic = traffic
+        return {n: self._view(full, n) for n in self._order}
+
+    # -- the state interface of checkpoints --------------------------------------
+
+    def param_entries(self) -> list[tuple[str, tuple[int, ...], np.dtype, int]]:
+        """``(name, shape, dtype, offset in its dtype's flat buffer)`` of every
+        parameter, in the model's order."""
+        specs = self._specs
+        return [(n, specs[n].shape, specs[n].dtype, specs[n].offset) for n in self._order]
+
+    def state_sections(self) -> list[str]:
+        """Section names (``"params.float32"``, ...) in file order."""
+        return [f"{kind}.{d.name}" for d in self.layout.sizes for kind in STATE_KINDS]
+
+    def state_shards(self) -> list[tuple[str, int, np.ndarray]]:
+        """``(section, first global element, this rank's shard)`` of every bucket of
+        every kind of state, in one fixed order that every rank's collective I/O
+        follows. The shards are writable views of the optimizer's own storage."""
+        layout, rank = self.layout, self.comm.rank
+        out = []
+        for kind in STATE_KINDS:
+            store = self._stores[kind]
+            full = self.stage == 0 or (kind == "params" and self.plan.full_params)
+            for index, bucket in enumerate(layout.buckets):
+                lo, hi = bucket.local(rank)
+                if full:
+                    shard = store[bucket.dtype][bucket.start + lo : bucket.start + hi]
+                else:
+                    shard = shard_of(store, layout, index)
+                out.append((f"{kind}.{bucket.dtype.name}", bucket.start + lo, shard))
+        return out
+
+    def publish_state(self) -> None:
+        """Collective: after :meth:`state_shards` were overwritten (a load), make every
+        rank's full copies whole again (gathered, not counted as training traffic)
+        and discard accumulated gradients."""
+        kinds = STATE_KINDS if self.stage == 0 else ("params",) if self.plan.full_params else ()
+        comm = self.comm
+        traffic, comm.traffic = comm.traffic, {}
+        try:
+            for kind in kinds:
+                for index, bucket in enumerate(self.layout.buckets):
+                    comm.allgatherv_inplace(
+                        self._stores[kind][bucket.dtype][bucket.start : bucket.stop],
+                        bucket.counts, bucket.displs, tag=index,
+                    )  # fmt: skip
+        finally:
+            comm.traffic = traffic
+        self._discard()
+
+    def set_counters(self, step: int, skipped_steps: int) -> None:
+        """Restore the step and skipped-step counts (a load)."""
+        self.step_count = int(step)
+        self.skipped_steps = int(skipped_steps)
+        self.comm.step = self.step_count + 1
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """Adam's settings, as a checkpoint records them."""
+        c = self.config
+        return {
+            "lr": c.lr, "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps,
+            "weight_decay": c.weight_decay, "decoupled": c.decoupled,
+        }  # fmt: skip
+
+    # -- checkpoints -----------------------------------------------------------
+
+    def save(self, path: str) -> None:
+        """Collective: write parameters, Adam moments and step count to the single
+        file ``path`` (format: :mod:`zerompi.checkpoint`), each rank writing only its
+        shards with MPI-IO. The file is written under a temporary name and renamed
+        into place by rank 0, so ``path`` holds either the previous checkpoint or the
+        complete new one; an error on any rank is raised on every rank."""
+        from . import checkpoint  # not at import: keeps `python -m zerompi.checkpoint` clean
+
+        checkpoint.save(self, path)
+
+    def load(self, path: str) -> dict:
+        """Collective: restore parameters, Adam moments and step count from a
+        checkpoint saved at any world size and stage. The model (names, shapes,
+        dtypes, order) must match; this optimizer keeps its own hyperparameters.
+        Every checksum is verified before anything is changed: on any error every
+        rank raises :class:`zerompi.checkpoint.CheckpointError` and the state is
+        untouched. Accumulated gradients are discarded. Returns the header."""
+        from . import checkpoint
+
+        return checkpoint.load(self, path)
