@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -54,12 +55,77 @@ def run(cmd: list[str], timeout: float = TIMEOUT, **env: str) -> tuple[int, str,
     return proc.returncode, out, time.time()
 
 
+@cache
+def hydra() -> bool:
+    """Whether the launcher is MPICH's hydra, whose ``-l`` tags every output line with
+    the rank it came from (then the tests check the output rank by rank)."""
+    try:
+        proc = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True,
+                              timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "HYDRA" in proc.stdout
+
+
 def launch(ranks: int, *args: str, mpi4py_runner: bool = False) -> list[str]:
     python = [sys.executable, "-m", "mpi4py"] if mpi4py_runner else [sys.executable]
-    return [mpiexec(), "-n", str(ranks), *python, str(SCRIPT), *args]
+    tag = ["-l"] if hydra() else []
+    return [mpiexec(), *tag, "-n", str(ranks), *python, str(SCRIPT), *args]
+
+
+_TAG = re.compile(r"^\[(\d+)\] ?")
+
+
+def by_rank(out: str) -> dict[int, list[str]] | None:
+    """The output lines of each rank, from hydra's ``-l`` tags (``None`` without them).
+    Hydra tags each chunk it forwards, so a line written in two pieces ends with the
+    tag of the next chunk: that is dropped too."""
+    if not hydra():
+        return None
+    ranks: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        tag = _TAG.match(line)
+        if tag:
+            text = re.sub(r"\[\d+\] ?$", "", line[tag.end() :])
+            ranks.setdefault(int(tag.group(1)), []).append(text)
+    return ranks
+
+
+def untagged(out: str) -> str:
+    """``out`` without hydra's rank tags."""
+    if not hydra():
+        return out
+    lines = (re.sub(r"\[\d+\] ?$", "", _TAG.sub("", line)) for line in out.splitlines())
+    return "\n".join(lines) + "\n"
+
+
+TRACEBACK = "Traceback (most recent call last)"
+
+
+def assert_one_report(out: str, ranks: int, printer: int, failing: list[int]) -> None:
+    """Exactly one traceback in ``out``, from rank ``printer``; each rank in ``failing``
+    says so in one line (the printer's is followed by its traceback); every other rank
+    prints at most one line (MPICH's own note when it is the one that aborts)."""
+    text = untagged(out)
+    assert text.count(TRACEBACK) == 1, out
+    for r in range(ranks):
+        assert text.count(f"zerompi: rank {r} of {ranks} failed") == (r in failing), out
+    lines = by_rank(out)
+    if lines is None:
+        return
+    for r in range(ranks):
+        mine = [line for line in lines.get(r, []) if not line.startswith("FAILING_AT ")]
+        if r == printer:
+            assert sum(TRACEBACK in line for line in mine) == 1, out
+            assert mine[0].startswith(f"zerompi: rank {r} of {ranks} failed"), out
+            assert mine[1] == TRACEBACK + ":", out
+        else:
+            assert not any(TRACEBACK in line for line in mine), out
+            assert len(mine) <= 1 + (r in failing), out  # + MPICH's "Abort(1) on node"
 
 
 def seconds_after_failure(out: str, end: float) -> float:
+    out = untagged(out)
     stamps = [float(s) for s in re.findall(r"^FAILING_AT (\S+)$", out, re.MULTILINE)]
     assert stamps, f"the script did not reach its failure:\n{out}"
     return end - min(stamps)
@@ -90,6 +156,24 @@ EXPECTED = {
 }
 
 
+#: phases whose error every rank raises (a collective verdict): rank 0 prints it
+EVERY_RANK = ("save", "load")
+
+
+def check_report(out: str, phase: str, ranks: int, bad: int) -> None:
+    """One traceback in all, from the failing rank (from rank 0 for an error raised on
+    every rank, the others one line each); no runner frames; no traceback for ^C."""
+    text = untagged(out)
+    if phase == "interrupt":
+        assert "Traceback" not in text, out  # a short message only
+    elif phase in EVERY_RANK:
+        assert_one_report(out, ranks, printer=0, failing=list(range(ranks)))
+        assert text.count("(raised on every rank: traceback from rank 0)") == ranks - 1, out
+    else:
+        assert_one_report(out, ranks, printer=bad, failing=[bad])
+    assert "mpi4py/run.py" not in text and "runpy" not in text, out
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("phase", list(EXPECTED))
 def test_failure_on_one_rank_ends_the_job(phase: str, ranks: int) -> None:
@@ -97,11 +181,9 @@ def test_failure_on_one_rank_ends_the_job(phase: str, ranks: int) -> None:
     code, out, end = run(launch(ranks, phase, str(bad)))
     assert code != 0, out
     for text in EXPECTED[phase]:
-        assert text.format(r=bad, w=ranks) in out, out
-    if phase != "interrupt":
-        assert "Traceback (most recent call last)" in out, out
-    else:
-        assert "Traceback" not in out, out  # a short message only
+        assert text.format(r=bad, w=ranks) in untagged(out), out
+    check_report(out, phase, ranks, bad)
+    if phase == "interrupt":
         assert code == 130, out
     seconds = seconds_after_failure(out, end)
     assert seconds < LIMIT, f"the job took {seconds:.1f}s to end after the failure\n{out}"
@@ -115,11 +197,14 @@ def test_a_run_without_failure_exits_0(ranks: int, tmp_path: Path) -> None:
     assert "zerompi: rank" not in out, out
 
 
-def test_mpi4py_runner_still_aborts() -> None:
-    """``python -m mpi4py script.py`` aborts on its own; the hook must not get in its way."""
-    code, out, end = run(launch(2, "model", "1", mpi4py_runner=True))
+@pytest.mark.parametrize("phase", ["model", "step", "load", "thread"])
+def test_mpi4py_runner_still_aborts(phase: str) -> None:
+    """``python -m mpi4py script.py`` aborts on its own; the hook must not get in its way,
+    nor print the traceback twice or with the runner's frames."""
+    code, out, end = run(launch(2, phase, "1", mpi4py_runner=True))
     assert code != 0, out
-    assert "zerompi: rank 1 of 2 failed: InjectedFailure" in out, out
+    assert "zerompi: rank 1 of 2 failed" in untagged(out), out
+    check_report(out, phase, 2, 1)
     assert seconds_after_failure(out, end) < LIMIT, out
 
 
@@ -131,6 +216,34 @@ def test_opt_out_leaves_the_others_waiting() -> None:
     out = info.value.output or ""
     out = out if isinstance(out, str) else out.decode(errors="replace")
     assert "zerompi: rank" not in out, out
+
+
+EARLY = """
+import sys, time
+import zerompi
+from mpi4py import MPI
+if MPI.COMM_WORLD.rank == 1:
+    print(f"FAILING_AT {time.time():.6f}", file=sys.stderr, flush=True)
+    raise RuntimeError("failed before any optimizer")
+MPI.COMM_WORLD.barrier()
+"""
+
+
+def test_failure_before_any_optimizer_ends_the_job() -> None:
+    """``import zerompi`` alone installs the hook: rank 1 failing while rank 0 waits in
+    a barrier ends the job (before, rank 0 waited forever)."""
+    code, out, end = run([mpiexec(), "-n", "2", sys.executable, "-c", EARLY], timeout=30)
+    assert code != 0, out
+    assert "zerompi: rank 1 of 2 failed: RuntimeError: failed before any optimizer" in out, out
+    assert out.count(TRACEBACK) == 1, out
+    assert seconds_after_failure(out, end) < LIMIT, out
+
+
+def test_import_does_not_initialise_mpi() -> None:
+    code, out, _ = run(
+        [sys.executable, "-c", "import zerompi, sys; assert 'mpi4py.MPI' not in sys.modules"]
+    )
+    assert code == 0, out
 
 
 def test_one_process_keeps_the_normal_traceback() -> None:

@@ -66,10 +66,69 @@ def _world_rank_size() -> tuple[int, int] | None:
         return None
 
 
+#: Files of the frames a runner puts above the user's code (``python -m mpi4py``,
+#: ``python -m pkg``): left out of the traceback the hook prints, as Python's own
+#: traceback of ``python script.py`` has none of them.
+_RUNNER_FILES = ("<frozen runpy>", "runpy.py", "mpi4py/run.py", "mpi4py/__main__.py")
+
+#: Seconds a rank that leaves the traceback of an error raised on every rank to rank 0
+#: waits for rank 0's abort before it aborts the job itself.
+EVERY_RANK_GRACE = 3.0
+
+
+def _user_traceback(tb: Any) -> Any:
+    """``tb`` without the leading frames of a runner (runpy, mpi4py's ``run``); all of
+    ``tb`` if nothing else is left."""
+    first = tb
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        if not filename.endswith(_RUNNER_FILES):
+            return tb
+        tb = tb.tb_next
+    return first
+
+
+def mark_raised_on_every_rank(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised identically on every rank of COMM_WORLD (a collective
+    verdict), so that if it reaches the abort hook only rank 0 prints its traceback and
+    the others one line each. Returns ``exc``, for ``raise mark_raised_on_every_rank(E())``.
+    :class:`zerompi.mpi.agreement.CollectiveError` is treated so without the mark."""
+    try:
+        exc.zerompi_every_rank = True  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - an exception type with __slots__
+        pass
+    return exc
+
+
+def _raised_on_every_rank(exc: BaseException | None) -> bool:
+    if exc is None:
+        return False
+    if getattr(exc, "zerompi_every_rank", False) is True:
+        return True
+    agreement = sys.modules.get("zerompi.mpi.agreement")
+    collective = getattr(agreement, "CollectiveError", None)
+    return collective is not None and isinstance(exc, collective)
+
+
+def _write_stderr(text: str) -> None:
+    """``text`` to stderr in one write (so ranks' reports do not interleave within it)."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:  # pragma: no cover - a closed stderr must not stop the abort
+        pass
+
+
 def _abort_world(
     exc_type: type[BaseException], exc: BaseException | None, tb: Any, where: str = ""
 ) -> None:
-    """Report ``exc`` on stderr, naming this rank, and abort every process of the job."""
+    """Report ``exc`` on stderr, naming this rank, and abort every process of the job.
+
+    Prints the traceback once per failing rank (Python does not print it again: this
+    is the excepthook, and it never returns), without the runner's frames. An error
+    raised identically on every rank (:func:`mark_raised_on_every_rank`) is printed in
+    full by rank 0 only; the other ranks print one line and leave the abort to rank 0
+    (aborting themselves after :data:`EVERY_RANK_GRACE` seconds if it never comes)."""
     global _aborting
     import traceback
 
@@ -78,22 +137,30 @@ def _abort_world(
         abort_world(1)
     _aborting = True
     code = 1
+    grace = 0.0
     try:
         if issubclass(exc_type, KeyboardInterrupt):
             code = 130  # 128 + SIGINT, as a shell reports it (and mpi4py's runner)
-            sys.stderr.write(
+            _write_stderr(
                 f"zerompi: rank {rank} of {size} interrupted (KeyboardInterrupt){where}; "
                 "aborting the job\n"
             )
-        else:
-            detail = "".join(traceback.format_exception_only(exc_type, exc)).strip()
-            sys.stderr.write(f"zerompi: rank {rank} of {size} failed{where}: {detail}\n")
-            sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
-            sys.stderr.write(
-                f"zerompi: aborting all {size} ranks (MPI_Abort on COMM_WORLD); set "
-                f"{NO_ABORT_HOOK_ENV}=1 to disable\n"
-            )
+            return
+        detail = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+        header = f"zerompi: rank {rank} of {size} failed{where}: {detail}"
+        if rank > 0 and _raised_on_every_rank(exc):
+            grace = EVERY_RANK_GRACE
+            _write_stderr(f"{header} (raised on every rank: traceback from rank 0)\n")
+            return
+        _write_stderr(
+            f"{header}\n"
+            + "".join(traceback.format_exception(exc_type, exc, _user_traceback(tb)))
+            + f"zerompi: aborting all {size} ranks (MPI_Abort on COMM_WORLD); set "
+            f"{NO_ABORT_HOOK_ENV}=1 to disable\n"
+        )
     finally:
+        if grace:
+            time.sleep(grace)  # rank 0 prints the traceback and aborts meanwhile
         abort_world(code)
 
 
