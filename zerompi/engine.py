@@ -808,6 +808,84 @@ class ZeroOptimizer:
 
         return checkpoint.load(self, path)
 
+    # -- the state interface of checkpoints --------------------------------------
+    # zerompi.checkpoint goes through these methods only (it reads no private
+    # attribute); the optimizer's storage layout stays this class's business.
+
+    def param_entries(self) -> list[tuple[str, tuple[int, ...], np.dtype, int]]:
+        """``(name, shape, dtype, offset in its dtype's flat buffer)`` of every
+        parameter, in the model's order."""
+        specs = self._specs
+        return [
+            (n, tuple(specs[n].shape), specs[n].dtype, int(specs[n].offset)) for n in self._order
+        ]
+
+    def state_sections(self) -> list[str]:
+        """Names of the checkpoint sections, in file order: ``"<kind>.<dtype>"`` for
+        every dtype of the layout and every kind (params, exp_avg, exp_avg_sq)."""
+        kinds = ("params", "exp_avg", "exp_avg_sq")
+        return [f"{kind}.{d.name}" for d in self.layout.sizes for kind in kinds]
+
+    def state_shards(self) -> list[tuple[str, int, np.ndarray]]:
+        """``(section, index of the first element in the section's global flat
+        vector, this rank's shard)`` of every bucket (in layout order) of every kind
+        (params, exp_avg, exp_avg_sq), in one fixed order that every rank's
+        collective I/O follows. The shards are writable 1-D views of the
+        optimizer's own storage; a rank owning nothing of a bucket gets an empty
+        view. After writing into them, call :meth:`publish_state`."""
+        rank, stage = self.comm.rank, self.stage
+        stores = {"params": self._flat, "exp_avg": self._exp_avg, "exp_avg_sq": self._exp_avg_sq}
+        out = []
+        for kind, store in stores.items():
+            full = stage == 0 or (kind == "params" and stage < 3)
+            for index, bucket in enumerate(self.layout.buckets):
+                lo, hi = bucket.local(rank)
+                if full:
+                    shard = store[bucket.dtype][bucket.start + lo : bucket.start + hi]
+                else:
+                    shard = self._shard_of(store, index)
+                out.append((f"{kind}.{bucket.dtype.name}", bucket.start + lo, shard))
+        return out
+
+    def publish_state(self) -> None:
+        """Collective: after the :meth:`state_shards` were overwritten (a load), make
+        every rank's full copies consistent again (``Allgatherv`` of the kinds kept
+        whole: parameters in stages 0-2, the moments too in stage 0; not counted as
+        training traffic), then discard accumulated gradients."""
+        comm, stage = self.comm, self.stage
+        stores = {"params": self._flat, "exp_avg": self._exp_avg, "exp_avg_sq": self._exp_avg_sq}
+        kinds = list(stores) if stage == 0 else ["params"] if stage < 3 else []
+        traffic, comm.traffic = comm.traffic, {}  # not training traffic
+        try:
+            for kind in kinds:
+                for bucket in self.layout.buckets:
+                    comm.allgatherv_inplace(
+                        stores[kind][bucket.dtype][bucket.start : bucket.stop],
+                        bucket.counts,
+                        bucket.displs,
+                    )
+        finally:
+            comm.traffic = traffic
+        self.zero_grad()
+
+    def set_counters(self, step: int, skipped_steps: int) -> None:
+        """Set ``step_count`` and ``skipped_steps`` (a load restores them)."""
+        self.step_count = int(step)
+        self.skipped_steps = int(skipped_steps)
+
+    def hyperparameters(self) -> dict:
+        """Adam's settings as a checkpoint records them: ``lr``, ``beta1``,
+        ``beta2``, ``eps``, ``weight_decay``, ``decoupled``."""
+        cfg = self.config
+        return {
+            "lr": cfg.lr,
+            "beta1": cfg.beta1,
+            "beta2": cfg.beta2,
+            "eps": cfg.eps,
+            "weight_decay": cfg.weight_decay,
+            "decoupled": cfg.decoupled,
+        }
+
     def __repr__(self) -> str:
         total = sum(self.layout.sizes.values())
         return (
