@@ -1,4 +1,5 @@
-"""Checkpoints: ``opt.save`` / ``opt.load`` with MPI-IO, and the numpy-only reader.
+"""Checkpoints: ``opt.save`` / ``opt.load`` with MPI-IO (:mod:`zerompi.checkpoint.collective`),
+the numpy-only reader and command line (:mod:`zerompi.checkpoint.format`, ``__main__``).
 
 Collective tests run on the ``comm`` fixture's communicators (and, for the
 cross-world-size test, on sub-communicators they build themselves), every rank
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -28,7 +30,7 @@ from test_optimizer import F32, F64, MIXED, SHAPES, Spec, backward, make_params,
 
 import zerompi.mpi.collectives
 from zerompi import ZeroOptimizer, checkpoint
-from zerompi.checkpoint import CheckpointError
+from zerompi.checkpoint import CheckpointError, collective
 
 WORLD = MPI.COMM_WORLD
 STAGES = [0, 1, 2, 3]
@@ -40,6 +42,7 @@ SPECS: dict[str, Spec] = {
 HYPER = {"lr": 1e-2, "weight_decay": 0.05}
 BUCKET = 3
 REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "zerompi" / "checkpoint"
 
 
 def make_opt(comm: MPI.Intracomm, stage: int, spec: Spec = MIXED, seed: int = 0) -> ZeroOptimizer:
@@ -348,14 +351,14 @@ def _fail_in_rename(monkeypatch: pytest.MonkeyPatch) -> None:
     def rename_fails(src: str, dst: str) -> None:
         raise OSError("simulated rename failure")
 
-    monkeypatch.setattr(checkpoint.os, "replace", rename_fails)
+    monkeypatch.setattr(collective.os, "replace", rename_fails)
 
 
 def _fail_in_header(monkeypatch: pytest.MonkeyPatch) -> None:
     def header_fails(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("simulated header failure")
 
-    monkeypatch.setattr(checkpoint, "build_header", header_fails)
+    monkeypatch.setattr(collective, "build_header", header_fails)
 
 
 FAILURES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], int, str]] = {
@@ -442,7 +445,7 @@ def test_reader_needs_no_mpi(tmp_path: Path) -> None:
     code = (
         "import sys, runpy\n"
         "sys.modules['mpi4py'] = None  # any import of mpi4py now fails\n"
-        f"ns = runpy.run_path({str(REPO / 'zerompi' / 'checkpoint.py')!r})\n"
+        f"ns = runpy.run_path({str(PACKAGE / 'format.py')!r})\n"
         f"state = ns['read']({path!r})\n"
         "assert 'mpi4py.MPI' not in sys.modules\n"
         "print(state['optimizer']['step'], sorted(state['params']))\n"
@@ -450,3 +453,77 @@ def test_reader_needs_no_mpi(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "2"
+
+
+@pytest.mark.mpi_skip
+def test_package_import_needs_no_mpi(tmp_path: Path) -> None:
+    """``import zerompi.checkpoint`` (the reader, the CLI's code) imports no mpi4py;
+    with mpi4py unimportable it still reads and verifies a checkpoint."""
+    path, want = _serial_checkpoint(tmp_path)
+    code = (
+        "import sys\n"
+        "import zerompi.checkpoint\n"
+        "assert 'mpi4py' not in sys.modules, 'import zerompi.checkpoint imported mpi4py'\n"
+        "sys.modules['mpi4py'] = None  # any import of mpi4py now fails\n"
+        "from zerompi.checkpoint import read, verify\n"
+        f"assert verify({path!r}) == []\n"
+        f"print(read({path!r})['optimizer']['step'])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(want["step"])]
+
+
+def _package_sources() -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(PACKAGE.glob("*.py"))}
+
+
+@pytest.mark.mpi_skip
+def test_checkpoint_uses_only_the_public_state_interface() -> None:
+    """No module of the package reads a private attribute of the optimizer (nor of
+    anything else held in a variable: ``x._name``), and the format module and the
+    command line import no MPI."""
+    sources = _package_sources()
+    assert {"__init__.py", "__main__.py", "collective.py", "format.py"} <= set(sources)
+    private = re.compile(r"\b(?!self\b)[A-Za-z_][A-Za-z0-9_]*\._[A-Za-z]")
+    for name, text in sources.items():
+        hits = [
+            f"{name}:{i}: {line.strip()}"
+            for i, line in enumerate(text.splitlines(), 1)
+            if private.search(line.split("#")[0])
+        ]
+        assert not hits, "private attribute access:\n" + "\n".join(hits)
+        assert "opt._" not in text, name
+    for name in ("format.py", "__main__.py", "__init__.py"):
+        assert not re.search(r"^\s*(from|import)\s+(mpi4py|zerompi)", sources[name], re.M), name
+        assert not re.search(r"^(from|import)\s+\.+(mpi|engine|optimizer)", sources[name], re.M)
+    assert not file_lines_over(400), file_lines_over(400)
+
+
+def file_lines_over(limit: int) -> list[str]:
+    return [n for n, t in _package_sources().items() if len(t.splitlines()) > limit]
+
+
+@pytest.mark.mpi_skip
+def test_checkpoint_interface_of_the_optimizer() -> None:
+    """The optimizer's side of the interface on one rank: shards are writable views
+    that cover every section exactly once, in ``state_sections`` order."""
+    opt = make_opt(MPI.COMM_SELF, 3)
+    sections = opt.state_sections()
+    assert sections == [f"{k}.{d}" for d in ("float32", "float64") for k in checkpoint.KINDS]
+    covered: dict[str, int] = dict.fromkeys(sections, 0)
+    for name, first, shard in opt.state_shards():
+        assert shard.ndim == 1 and shard.flags.writeable and first == covered[name]
+        covered[name] += shard.size
+    sizes = {d.name: n for d, n in opt.layout.sizes.items()}
+    assert covered == {s: sizes[s.rpartition(".")[2]] for s in sections}
+    entries = opt.param_entries()
+    assert [e[0] for e in entries] == list(MIXED)
+    assert all(tuple(e[1]) == MIXED[e[0]][0] and e[2] == MIXED[e[0]][1] for e in entries)
+    assert set(opt.hyperparameters()) == {
+        "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled"
+    }  # fmt: skip
+    opt.set_counters(7, 2)
+    assert (opt.step_count, opt.skipped_steps) == (7, 2)

@@ -1,0 +1,99 @@
+"""Single-file, world-size independent checkpoints of a :class:`zerompi.ZeroOptimizer`.
+
+* :mod:`.format`: the file format (header, checksums) and the numpy-only reader
+  (:func:`read`, :func:`verify`, :func:`read_header`, export to ``.npz``);
+* :mod:`.collective`: :func:`save` and :func:`load` (behind ``ZeroOptimizer.save`` /
+  ``ZeroOptimizer.load``), collective MPI-IO through the optimizer's
+  :class:`zerompi.mpi.collectives.Comm` and the optimizer's public state interface;
+* :mod:`.__main__`: the command line, ``python -m zerompi.checkpoint
+  {inspect,verify,export} PATH``.
+
+Importing this package imports neither mpi4py nor the optimizer: :mod:`.collective`
+is imported on the first call of :func:`save`, :func:`load` or
+:func:`check_compatible`, so checkpoints can be read and checked without MPI.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from .format import (
+    ALIGN,
+    FORMAT,
+    KINDS,
+    MAGIC,
+    MASK,
+    PREFIX,
+    VERSION,
+    CheckpointError,
+    build_header,
+    checksum,
+    export_arrays,
+    export_npz,
+    file_size,
+    layout_entries,
+    parse_header,
+    read,
+    read_header,
+    section_end,
+    verify,
+)
+
+__all__ = [
+    "ALIGN",
+    "FORMAT",
+    "KINDS",
+    "MAGIC",
+    "MASK",
+    "PREFIX",
+    "VERSION",
+    "CheckpointError",
+    "build_header",
+    "check_compatible",
+    "checksum",
+    "export_arrays",
+    "export_npz",
+    "file_size",
+    "layout_entries",
+    "load",
+    "main",
+    "parse_header",
+    "read",
+    "read_header",
+    "save",
+    "section_end",
+    "verify",
+]
+
+
+def save(opt: Any, path: str | os.PathLike) -> None:
+    """Collective: write ``opt``'s full state to ``path`` (see ``ZeroOptimizer.save``
+    and :func:`zerompi.checkpoint.collective.save`)."""
+    from . import collective
+
+    collective.save(opt, path)
+
+
+def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """Collective: restore ``opt``'s state from ``path`` and return the header (see
+    ``ZeroOptimizer.load`` and :func:`zerompi.checkpoint.collective.load`)."""
+    from . import collective
+
+    return collective.load(opt, path)
+
+
+def check_compatible(opt: Any, header: dict[str, Any], path: str) -> None:
+    """Raise :class:`CheckpointError` unless the checkpoint holds exactly ``opt``'s
+    parameters (names, shapes, dtypes, order)."""
+    from . import collective
+
+    collective.check_compatible(opt, header, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see :mod:`zerompi.checkpoint.__main__`); the exit status."""
+    from .__main__ import main as cli
+
+    return cli(argv)
