@@ -10,6 +10,12 @@ from leaving the others blocked in a collective:
 * pytest-timeout (thread method, see pyproject.toml) ends a stuck test, and
   ``scripts/test`` puts a timeout around each mpiexec.
 
+Under mpiexec only rank 0 reports (progress, failures, summary). The other ranks'
+terminal reporters write to memory; a rank prints its report at the end only if it
+saw a failure that rank 0's report does not already show (a collective failure is
+the same on every rank, and ``assert_all`` names every rank's message): so one
+progress stream and one summary per run, and every failure still visible.
+
 Collective tests take the ``comm`` fixture: like mpi4py's own suite they run on
 several communicators carved out of the world (the world itself, ``COMM_SELF``, a
 split into unequal groups, the world in reverse rank order), so a single
@@ -18,9 +24,9 @@ split into unequal groups, the world in reverse rank order), so a single
 
 from __future__ import annotations
 
+import io
 import sys
 import time
-import traceback
 
 import pytest
 from helpers import CollectiveAssertionError
@@ -43,9 +49,38 @@ settings.register_profile(
 settings.load_profile("mpi")
 
 
+#: This rank's report when it is not rank 0 of a multi-rank world (else ``None``).
+_QUIET: io.StringIO | None = None
+#: Failures of this rank that rank 0's report may not show (collection errors, ...).
+_OWN_FAILURES: list[str] = []
+_COLLECTIVE_FAILURES: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal plugin has made its reporter
 def pytest_configure(config: pytest.Config) -> None:
-    if WORLD.size > 1 and WORLD.rank > 0:
-        config.option.verbose = -1  # one readable report, from rank 0; failures everywhere
+    global _QUIET
+    if WORLD.size == 1 or WORLD.rank == 0:
+        return
+    standard = config.pluginmanager.getplugin("terminalreporter")
+    if standard is None:  # -p no:terminal
+        return
+    _QUIET = io.StringIO()
+    config.pluginmanager.unregister(standard)
+    config.pluginmanager.register(pytest.TerminalReporter(config, _QUIET), "terminalreporter")
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if WORLD.size == 1:
+        return None
+    return (
+        f"mpi: rank 0 of {WORLD.size} reports; the other ranks print only failures "
+        "that this report does not show"
+    )
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed:
+        _OWN_FAILURES.append(report.nodeid or "collection")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -55,18 +90,40 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if not report.failed or WORLD.size == 1:
         return
     if call.excinfo is not None and call.excinfo.errisinstance(CollectiveAssertionError):
+        _COLLECTIVE_FAILURES.append(item.nodeid)
         return  # every rank reached the same verdict together; carry on
     # A failure that the other ranks may not share: they could be waiting in a
-    # collective for this one. End the world now rather than hang.
+    # collective for this one. End the world now rather than hang, showing the failure
+    # as pytest would (the test's frames, not pytest's own).
     sys.stderr.write(
-        f"\n[rank {WORLD.rank}] {item.nodeid} failed on this rank only; aborting the world\n"
+        f"\n[rank {WORLD.rank}] {item.nodeid} failed ({report.when}) on this rank only; "
+        f"aborting the world\n{report.longreprtext}\n"
     )
-    if call.excinfo is not None:
-        sys.stderr.write("".join(traceback.format_exception(call.excinfo.value)))
     sys.stderr.flush()
     sys.stdout.flush()
     time.sleep(0.5)  # let the launcher forward what this rank printed before the kill
     WORLD.Abort(1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A rank other than 0 shows its report if it failed in a way rank 0's report does
+    not show; one line if it only shares rank 0's collective failures."""
+    if _QUIET is None:
+        return
+    prefix = f"[rank {WORLD.rank} of {WORLD.size}]"
+    if _OWN_FAILURES:
+        text = _QUIET.getvalue()
+        sys.stdout.write(
+            f"\n{prefix} failed on its own ({', '.join(_OWN_FAILURES)}): its report follows\n"
+            + "".join(f"{prefix} {line}\n" for line in text.splitlines())
+        )
+    elif _COLLECTIVE_FAILURES:
+        sys.stdout.write(
+            f"{prefix} {len(_COLLECTIVE_FAILURES)} collective failure(s), the same as "
+            "rank 0 reports\n"
+        )
+    sys.stdout.flush()
 
 
 _COMMS: dict[str, MPI.Intracomm] = {}

@@ -55,8 +55,20 @@ def test_collective_failure_fails_every_rank_and_continues() -> None:
     code, out, _ = run_selfcheck("collective_fail", 2)
     assert code == 1, out
     assert "failed on 1 of 2 rank(s)" in out and "rank 1: rank 1 fails" in out, out
-    assert out.count("1 failed, 1 passed") == 2, out  # both ranks ran the second test
+    # one report, from rank 0; rank 1 (which also ran the second test) says it agrees
+    assert out.count("1 failed, 1 passed") == 1, out
+    assert "[rank 1 of 2] 1 collective failure(s), the same as rank 0 reports" in out, out
+    assert out.count("CollectiveAssertionError: failed on 1 of 2 rank(s)") == 1, out
     assert "aborting the world" not in out, out
+
+
+def test_a_rank_failing_alone_shows_only_the_test_frames() -> None:
+    """The aborting rank prints pytest's report of its failure, not pytest's internals."""
+    code, out, _ = run_selfcheck("local_fail", 2)
+    assert code != 0, out
+    assert "[rank 1] tests/selfcheck_harness.py::test_first failed (call) on this rank only" in out
+    assert "AssertionError: rank 1 fails alone" in out, out
+    assert "pluggy" not in out and "_pytest" not in out, out
 
 
 def test_a_hung_collective_is_ended_by_the_timeout() -> None:
@@ -69,3 +81,14 @@ def test_a_hung_collective_is_ended_by_the_timeout() -> None:
 def test_passing_run_passes() -> None:
     code, out, _ = run_selfcheck("", 3)
     assert code == 0, out
+
+
+def test_one_progress_stream_and_one_summary() -> None:
+    """Under mpiexec only rank 0 reports: one progress line, one summary, no
+    other rank's output when nothing failed."""
+    code, out, _ = run_selfcheck("", 3, "-vv")  # -q -vv: verbose
+    assert code == 0, out
+    assert out.count("2 passed") == 1, out
+    assert out.count("selfcheck_harness.py::test_first PASSED") == 1, out
+    assert "mpi: rank 0 of 3 reports" in out, out
+    assert "[rank " not in out, out
