@@ -1,0 +1,169 @@
+"""Timing zerompi's optimizer: one benchmark row per stage and model, and the
+helpers every measurement shares (slowest-rank medians, rank 0 alone).
+
+``step_ms`` is the median over ``--steps`` timed iterations of the optimizer's own
+time (``opt.pop_timings()``: reduction, Adam, gather), the slowest rank's median.
+Stages 0-1 copy the gradients into ``opt.grads`` (standing for the backward, not
+counted) and call ``opt.step()``; stages 2-3 hand each tensor over in reverse order
+with ``opt.gradients()`` (reduce-scattered bucket by bucket) and call ``opt.step()``;
+stage 3 also gathers every tensor twice with ``opt.gathered()`` (a forward and a
+backward), which is its 3P communication volume. ``wall_ms`` is the whole iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from ..mpi.bare import idle_barrier
+from ..mpi.collectives import Comm
+from ..optimizer import PHASES
+from ..runtime import clock
+from .model import LR, deferred_model
+
+if TYPE_CHECKING:
+    from .. import ZeroOptimizer
+
+T = TypeVar("T")
+
+#: Adam moves 7 arrays' worth of bytes per element: reads p, m, v, g; writes p, m, v.
+ADAM_ARRAYS = 7
+#: Per stage: (reduction passes, gather passes) over the P parameters in one step.
+PASSES = {0: (2, 0), 1: (1, 1), 2: (1, 1), 3: (1, 2)}
+
+
+def slowest_median_ms(comm: Comm, seconds: Sequence[float]) -> float:
+    """The largest over ranks of this rank's median, in milliseconds."""
+    return comm.max(1e3 * float(np.median(seconds)) if len(seconds) else 0.0)
+
+
+def on_rank0_alone(comm: Comm, work: Callable[[], T]) -> T:
+    """Collective: ``work()`` on rank 0 while the other ranks idle; its result on every
+    rank (an exception on rank 0 aborts the job through the abort hook)."""
+    comm.barrier()
+    result = work() if comm.rank == 0 else None
+    idle_barrier(comm)
+    return comm.allgather(result)[0]
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or ``None`` when either is missing (or ``b`` is 0)."""
+    return a / b if a is not None and b else None
+
+
+def gbps(nbytes: float, ms: float) -> float | None:
+    """GB/s (1e9 B/s) of ``nbytes`` moved in ``ms`` milliseconds."""
+    return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else None
+
+
+# -- our optimizer -----------------------------------------------------------------------
+
+
+def run_iteration(
+    opt: ZeroOptimizer, stage: int, grads: dict[str, np.ndarray], names: Sequence[str]
+) -> None:
+    """One optimizer-side iteration of ``stage`` with this rank's gradients."""
+    if stage < 2:
+        for name in names:
+            np.copyto(opt.grads[name], grads[name])  # stands for the backward
+    else:
+        if stage == 3:
+            for name in names:  # the forward gathers every tensor once
+                with opt.gathered(name):
+                    pass
+        for name in reversed(names):  # the backward gathers again and hands over
+            if stage == 3:
+                with opt.gathered(name), opt.gradients(name) as g:
+                    np.copyto(g[name], grads[name])
+            else:
+                with opt.gradients(name) as g:
+                    np.copyto(g[name], grads[name])
+    opt.step()
+
+
+def bench_stage(
+    comm: Comm,
+    stage: int,
+    sizes: Sequence[int],
+    grads: dict[str, np.ndarray],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Time ``--steps`` iterations of ``stage`` (after ``--warmup``); one row."""
+    dtype = np.dtype(args.dtype)
+    params = sum(sizes)
+    from .. import ZeroOptimizer
+
+    opt = ZeroOptimizer(
+        deferred_model(sizes, args.seed, dtype),
+        comm=comm.mpi,
+        stage=stage,
+        lr=LR,
+        bucket_elems=args.bucket_elems,
+        shared_memory=not args.no_shared_memory,
+    )
+    shared = opt.shared_memory
+    names = list(grads)
+    step_s: list[float] = []
+    wall_s: list[float] = []
+    phase_s: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    sent: dict[str, list[int]] = {"reduce_scatter": [], "allgather": []}
+    opt.pop_timings()
+    opt.comm.pop_traffic()
+    for i in range(args.warmup + args.steps):
+        comm.barrier()
+        start = clock()
+        run_iteration(opt, stage, grads, names)
+        wall = clock() - start
+        timings = opt.pop_timings()
+        traffic = opt.comm.pop_traffic()
+        if i < args.warmup:
+            continue
+        wall_s.append(wall)
+        step_s.append(sum(timings.values()))
+        for phase in PHASES:
+            phase_s[phase].append(timings.get(phase, 0.0))
+        sent["reduce_scatter"].append(
+            sum(traffic.get(op, {}).get("sent", 0) for op in ("reduce_scatter", "allreduce"))
+        )
+        sent["allgather"].append(traffic.get("allgather", {}).get("sent", 0))
+    local = params if stage == 0 else sum(opt.layout.shard_sizes.values())
+    buckets = len(opt.layout.buckets)
+    opt.close()
+    del opt
+    gc.collect()
+    phase_ms = {phase: slowest_median_ms(comm, phase_s[phase]) for phase in PHASES}
+    # Bytes a rank sends per step, mean over ranks (the textbook (W-1)/W volume).
+    sent_bytes = {op: comm.sum(float(np.median(v))) / comm.size for op, v in sent.items()}
+    busiest = comm.max(local)
+    passes = PASSES[stage]
+    nbytes = params * dtype.itemsize
+    bandwidth = {
+        "reduce_scatter": gbps(sent_bytes["reduce_scatter"], phase_ms["reduce_scatter"]),
+        "allgather": gbps(sent_bytes["allgather"], phase_ms["allgather"]) if passes[1] else None,
+        "reduce_scatter_algbw": gbps(
+            nbytes * (1 if stage == 0 else passes[0]), phase_ms["reduce_scatter"]
+        ),
+        "allgather_algbw": gbps(nbytes * passes[1], phase_ms["allgather"]) if passes[1] else None,
+        "adam": gbps(ADAM_ARRAYS * dtype.itemsize * busiest, phase_ms["adam"]),
+    }
+    return {
+        "stage": stage,
+        "params": params,
+        "world_size": comm.size,
+        "tensors": len(sizes),
+        "buckets": buckets,
+        "shared_memory": shared,
+        "step_ms": slowest_median_ms(comm, step_s),
+        "phase_ms": phase_ms,
+        "wall_ms": slowest_median_ms(comm, wall_s),
+        "comm_bytes": sent_bytes,
+        "adam_elems": busiest,
+        "adam_elems_per_s": busiest / (phase_ms["adam"] * 1e-3) if phase_ms["adam"] > 0 else None,
+        "bandwidth_gbps": bandwidth,
+    }
+
+
