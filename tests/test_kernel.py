@@ -2,11 +2,17 @@
 
 Both kernels promise the reference's IEEE operations in the reference's order, so
 they must agree exactly (bit patterns, NaN and infinity included), for every dtype,
-weight-decay mode, divisor and length, 0 and vector tails included. Local and
+weight-decay mode, divisor and length, 0 and vector tails included -- and so must
+every compiled variant of the C loops (AVX-512, AVX2, baseline), not only the one
+this CPU picks; a variant the CPU cannot run is skipped, saying so. Local and
 deterministic, so the same on every rank: plain asserts are collective enough here.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,6 +26,26 @@ needs_c = pytest.mark.skipif(
 
 LENGTHS = [0, 1, 7, 16, 17, 63, 1000, (1 << 15) + 5]
 
+#: Every variant the C source can compile, widest first ("auto": the extension's choice).
+ALL_VARIANTS = ("avx512f", "avx2", "baseline")
+
+
+def _variant(name: str) -> str | None:
+    """``name`` for the kernel, or a skip naming why this CPU or build cannot run it."""
+    if name == "auto":
+        return None
+    if name not in adam.VARIANTS:
+        built = name in adam._kernels.compiled()
+        pytest.skip(
+            f"kernel variant {name}: "
+            + ("this CPU lacks it" if built else "not compiled (compiler or platform)")
+            + f"; this CPU runs {', '.join(adam.VARIANTS)}"
+        )
+    return name
+
+
+variants = pytest.mark.parametrize("variant", ["auto", *ALL_VARIANTS])
+
 
 def _arrays(n: int, dtype: type, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
@@ -30,10 +56,17 @@ def _arrays(n: int, dtype: type, seed: int) -> list[np.ndarray]:
     return [p, g, m, v]
 
 
-def _run(kernel: str, arrays: list[np.ndarray], step: int, cfg: AdamConfig, div: float):
+def _run(
+    kernel: str,
+    arrays: list[np.ndarray],
+    step: int,
+    cfg: AdamConfig,
+    div: float,
+    variant: str | None = None,
+):
     p, g, m, v = (a.copy() for a in arrays)
     scratch = np.empty(64, dtype=p.dtype)  # small: many numpy blocks
-    adam_step(p, g, m, v, step, cfg, scratch, div, kernel=kernel)
+    adam_step(p, g, m, v, step, cfg, scratch, div, kernel=kernel, variant=variant)
     return p, m, v
 
 
@@ -42,31 +75,49 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 @needs_c
+@variants
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize(
     "wd,decoupled,div,step",
     [(0.0, False, 1.0, 1), (0.01, False, 2.0, 3), (0.1, True, 3.0, 1000), (0.0, True, 6.0, 7)],
 )
-def test_c_matches_numpy_bitwise(dtype, n, wd, decoupled, div, step):
+def test_c_matches_numpy_bitwise(variant, dtype, n, wd, decoupled, div, step):
+    variant = _variant(variant)
     cfg = AdamConfig(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd,
                      decoupled=decoupled)  # fmt: skip
     arrays = _arrays(n, dtype, seed=n + step)
-    ours, theirs = _run("c", arrays, step, cfg, div), _run("numpy", arrays, step, cfg, div)
+    ours = _run("c", arrays, step, cfg, div, variant)
+    theirs = _run("numpy", arrays, step, cfg, div)
     for a, b in zip(ours, theirs, strict=True):
         assert _same_bits(a, b)
 
 
-@needs_c
-def test_c_propagates_nonfinite_like_numpy():
-    arrays = _arrays(40, np.float32, seed=1)
-    arrays[1][[0, 5, 17]] = [np.nan, np.inf, -np.inf]
+def _with_nonfinite(dtype: type, n: int = 40) -> list[np.ndarray]:
+    """Arrays whose gradient holds NaN, +inf, -inf and finite values whose squares
+    overflow the dtype, and one infinite second moment."""
+    arrays = _arrays(n, dtype, seed=1)
+    big = np.finfo(dtype).max / 4  # finite; its square is not
+    arrays[1][[0, 5, 17, 20, 33]] = [np.nan, np.inf, -np.inf, big, -big]
     arrays[3][9] = np.inf
-    cfg = AdamConfig(weight_decay=0.01)
-    with np.errstate(invalid="ignore"):
-        numpy_result = _run("numpy", arrays, 2, cfg, 2.0)
-    for ours, theirs in zip(_run("c", arrays, 2, cfg, 2.0), numpy_result, strict=True):
-        assert _same_bits(ours, theirs)
+    return arrays
+
+
+@needs_c
+@variants
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_c_propagates_nonfinite_like_numpy(variant, dtype, decoupled):
+    variant = _variant(variant)
+    for n in (40, 1000):  # within one vector and across many, with tails
+        arrays = _with_nonfinite(dtype, n)
+        cfg = AdamConfig(weight_decay=0.01, decoupled=decoupled)
+        with np.errstate(invalid="ignore", over="ignore"):  # numpy flags what C does silently
+            numpy_result = _run("numpy", arrays, 2, cfg, 2.0)
+        c_result = _run("c", arrays, 2, cfg, 2.0, variant)
+        for ours, theirs in zip(c_result, numpy_result, strict=True):
+            assert _same_bits(ours, theirs)
+        assert np.isnan(c_result[0][[0, 5, 17]]).all()  # the parameters: NaN, not a number
 
 
 @needs_c
@@ -115,6 +166,74 @@ def test_kernel_choice_is_validated():
 
 
 @needs_c
+def test_variants_are_listed_and_validated():
+    compiled = adam._kernels.compiled()
+    assert adam.VARIANTS and adam.VARIANTS[-1] == "baseline"
+    assert set(adam.VARIANTS) <= set(compiled) <= set(ALL_VARIANTS)
+    assert list(compiled) == [v for v in ALL_VARIANTS if v in compiled]  # widest first
+    assert adam._choose_variant("") is None and adam._choose_variant("auto") is None
+    assert adam._choose_variant("baseline") == "baseline"
+    with pytest.raises(ValueError, match="'sse9'"):
+        adam._choose_variant("sse9")
+    g = np.ones(4)
+    with pytest.raises(ValueError, match="unknown kernel variant 'sse9'"):
+        adam._kernels.grad_stats(g, variant="sse9")
+    with pytest.raises(TypeError):
+        adam._kernels.grad_stats(g, "baseline")  # keyword only
+    for name in set(ALL_VARIANTS) - set(adam.VARIANTS):
+        with pytest.raises(ValueError, match=f"kernel variant '{name}'"):
+            adam._kernels.grad_stats(g, variant=name)
+
+
+def test_variant_environment_variable():
+    """ZEROMPI_KERNEL_VARIANT is read at import; a wrong one fails the import."""
+
+    def variant_of(value: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, ZEROMPI_KERNEL_VARIANT=value)
+        code = "import zerompi.adam as a; print(a.VARIANT)"
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+
+    assert variant_of("").stdout.strip() == "None"
+    bad = variant_of("sse9")
+    assert bad.returncode != 0 and "ZEROMPI_KERNEL_VARIANT='sse9'" in bad.stderr
+    if adam._kernels is not None:
+        assert variant_of("baseline").stdout.strip() == "baseline"
+
+
+def _lane_sum(g: np.ndarray) -> float:
+    """The C kernel's sum of squares, in its order: 16 float64 partial sums over the
+    full blocks of 16, the tail added to 0.0, then the 16 partial sums in turn."""
+    x = g.astype(np.float64)
+    k = len(x) // 16 * 16
+    acc = np.zeros(16)
+    for row in (x[:k] * x[:k]).reshape(-1, 16):
+        acc += row
+    total = 0.0
+    for value in x[k:]:
+        total += float(value) * float(value)
+    for value in acc:
+        total += float(value)
+    return total
+
+
+@needs_c
+@variants
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_c_grad_stats_every_variant_exact(variant, dtype):
+    """Every variant sums the squares in the same order: the same bits as the C
+    loop's order computed with numpy, and counts the same non-finite elements."""
+    variant = _variant(variant)
+    for n in LENGTHS:
+        g = _arrays(n, dtype, seed=n)[1]
+        assert adam._kernels.grad_stats(g, variant=variant) == (0, _lane_sum(g)), n
+        if n >= 20:
+            g[[0, 5, 17]] = [np.nan, np.inf, -np.inf]
+            bad, total = adam._kernels.grad_stats(g, variant=variant)
+            assert bad == 3 and np.isnan(total), n
+
+
+@needs_c
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n", LENGTHS)
 def test_c_grad_stats_agree_with_numpy(dtype, n):
@@ -131,16 +250,32 @@ def test_c_grad_stats_agree_with_numpy(dtype, n):
 
 
 @needs_c
+@variants
+@pytest.mark.parametrize("kernel", ["c", "numpy"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_c_grad_stats_count_nonfinite_and_survive_overflow(dtype):
-    g = np.ones(1000, dtype)
-    g[[3, 500, 999]] = [np.nan, np.inf, -np.inf]
-    bad, total = adam.grad_stats(g, np.empty(64, dtype), kernel="c")
-    assert bad == 3 and not np.isfinite(total)
+def test_grad_stats_count_nonfinite_and_survive_overflow(variant, kernel, dtype):
+    variant = _variant(variant)
+    scratch = np.empty(64, dtype)
+    for where, values, want in [
+        ([3, 500, 999], [np.nan, np.inf, -np.inf], np.nan),
+        ([3], [np.nan], np.nan),
+        ([500, 999], [np.inf, -np.inf], np.inf),
+        ([999], [-np.inf], np.inf),
+    ]:
+        g = np.ones(1000, dtype)
+        g[where] = values
+        bad, total = adam.grad_stats(g, scratch, kernel=kernel, variant=variant)
+        assert bad == len(where), (where, values)
+        assert np.isnan(total) if np.isnan(want) else total == np.inf, (where, values, total)
     # Finite values whose squares overflow the dtype: float32's sum fits a float64;
     # float64's does not, and both kernels say inf without counting a bad element.
-    big = np.full(100, 1e20 if dtype == np.float32 else 1e200, dtype)
-    for kernel in ("c", "numpy"):
-        bad, total = adam.grad_stats(big, np.empty(64, dtype), kernel=kernel)
-        want = 100 * float(big[0]) ** 2 if dtype == np.float32 else np.inf
-        assert bad == 0 and total == pytest.approx(want, rel=1e-6), kernel
+    for big_value in [1e20, 3e38] if dtype == np.float32 else [1e200, np.finfo(dtype).max]:
+        big = np.full(100, big_value, dtype)
+        big[::3] *= -1
+        bad, total = adam.grad_stats(big, scratch, kernel=kernel, variant=variant)
+        want = 100 * float(big_value) ** 2 if dtype == np.float32 else np.inf
+        assert bad == 0 and total == pytest.approx(want, rel=1e-6), big_value
+    # ...and with a NaN among them: counted, whatever the overflow
+    big[50] = np.nan
+    bad, total = adam.grad_stats(big, scratch, kernel=kernel, variant=variant)
+    assert bad == 1 and np.isnan(total)

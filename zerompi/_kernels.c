@@ -14,42 +14,152 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <string.h>
 
-/* One portable binary that still uses the widest vectors the CPU has: GCC compiles
- * the loop for each target and picks one when the module loads. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define CLONES
+/* One portable binary that still uses the widest vectors the CPU has: each loop is
+ * compiled once per target below (the same C, so the same IEEE operations in the same
+ * order: the variants differ only in vector width) and the best one the CPU supports
+ * is picked when the module loads. variants() lists them; variant= runs one
+ * explicitly (the tests run every one against numpy). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(ZEROMPI_BASELINE_ONLY)
+#define X86_VARIANTS 1
+/* target("avx512f"): GCC 4.9, clang 3.9 (older compilers build AVX2 and baseline;
+ * -DZEROMPI_NO_AVX512 builds them so on any compiler) */
+#if defined(ZEROMPI_NO_AVX512)
+#elif defined(__clang__) ? (__clang_major__ > 3 || (__clang_major__ == 3 && __clang_minor__ >= 9)) \
+                       : (__GNUC__ > 4 || (__GNUC__ == 4 && __GNUC_MINOR__ >= 9))
+#define HAVE_AVX512F 1
+#endif
 #endif
 
-#define ADAM_LOOP(T, SQRT)                                                         \
-    CLONES static void adam_##T(T *restrict p, const T *restrict g, T *restrict m,       \
-                         T *restrict v, Py_ssize_t n, double lr_, double b1_,      \
-                         double b2_, double eps_, double wd_, int decoupled,       \
-                         double bc1_, double bc2_, double div_) {                  \
-        const T lr = (T)lr_, b1 = (T)b1_, b2 = (T)b2_, eps = (T)eps_;              \
-        const T omb1 = (T)(1.0 - b1_), omb2 = (T)(1.0 - b2_);                      \
-        const T wd = (T)wd_, bc1 = (T)bc1_, bc2 = (T)bc2_, div = (T)div_;          \
-        const int divide = div_ != 1.0, l2 = wd_ != 0.0 && !decoupled,             \
-                  dec = wd_ != 0.0 && decoupled;                                   \
-        for (Py_ssize_t i = 0; i < n; i++) {                                       \
-            T gi = g[i];                                                           \
-            const T pi = p[i];                                                     \
-            if (divide) gi = gi / div;                                             \
-            if (l2) gi = gi + pi * wd;                                             \
-            const T mi = m[i] * b1 + gi * omb1;                                    \
-            const T vi = v[i] * b2 + (gi * gi) * omb2;                             \
-            T u = (mi / bc1) / (SQRT(vi / bc2) + eps);                             \
-            if (dec) u = u + pi * wd;                                              \
-            m[i] = mi;                                                             \
-            v[i] = vi;                                                             \
-            p[i] = pi - u * lr;                                                    \
-        }                                                                          \
+enum { V_AVX512F, V_AVX2, V_BASELINE, N_VARIANTS };
+static const char *const variant_names[N_VARIANTS] = {"avx512f", "avx2", "baseline"};
+static int variant_built[N_VARIANTS];     /* compiled into this module */
+static int variant_supported[N_VARIANTS]; /* compiled, and the CPU runs it */
+static int variant_auto = V_BASELINE;     /* the best supported: normal calls */
+
+#define ADAM_LOOP(NAME, ATTR, T, SQRT)                                            \
+    ATTR static void NAME(T *restrict p, const T *restrict g, T *restrict m,             \
+                          T *restrict v, Py_ssize_t n, double lr_, double b1_,         \
+                          double b2_, double eps_, double wd_, int decoupled,          \
+                          double bc1_, double bc2_, double div_) {                     \
+        const T lr = (T)lr_, b1 = (T)b1_, b2 = (T)b2_, eps = (T)eps_;                  \
+        const T omb1 = (T)(1.0 - b1_), omb2 = (T)(1.0 - b2_);                          \
+        const T wd = (T)wd_, bc1 = (T)bc1_, bc2 = (T)bc2_, div = (T)div_;              \
+        const int divide = div_ != 1.0, l2 = wd_ != 0.0 && !decoupled,                 \
+                  dec = wd_ != 0.0 && decoupled;                                       \
+        for (Py_ssize_t i = 0; i < n; i++) {                                           \
+            T gi = g[i];                                                               \
+            const T pi = p[i];                                                         \
+            if (divide) gi = gi / div;                                                 \
+            if (l2) gi = gi + pi * wd;                                                 \
+            const T mi = m[i] * b1 + gi * omb1;                                        \
+            const T vi = v[i] * b2 + (gi * gi) * omb2;                                 \
+            T u = (mi / bc1) / (SQRT(vi / bc2) + eps);                                 \
+            if (dec) u = u + pi * wd;                                                  \
+            m[i] = mi;                                                                 \
+            v[i] = vi;                                                                 \
+            p[i] = pi - u * lr;                                                        \
+        }                                                                              \
     }
 
-ADAM_LOOP(float, sqrtf)
-ADAM_LOOP(double, sqrt)
+#define LANES 16
+#define STATS_LOOP(NAME, ATTR, T)                                                     \
+    ATTR static void NAME(const T *restrict g, Py_ssize_t n, Py_ssize_t *nonfinite,   \
+                          double *sumsq) {                                            \
+        double acc[LANES] = {0.0}, total = 0.0;                                       \
+        Py_ssize_t bad = 0, i = 0;                                                    \
+        for (; i + LANES <= n; i += LANES) /* LANES partial sums: vectorizable */     \
+            for (int j = 0; j < LANES; j++) {                                         \
+                const double x = (double)g[i + j];                                    \
+                acc[j] += x * x;                                                      \
+            }                                                                         \
+        for (; i < n; i++) total += (double)g[i] * (double)g[i];                      \
+        for (int j = 0; j < LANES; j++) total += acc[j];                              \
+        if (!isfinite(total))                                                         \
+            for (Py_ssize_t k = 0; k < n; k++) bad += !isfinite(g[k]);                \
+        *nonfinite = bad;                                                             \
+        *sumsq = total;                                                               \
+    }
+
+typedef void (*adam_f32_fn)(float *restrict, const float *restrict, float *restrict,
+                            float *restrict, Py_ssize_t, double, double, double, double,
+                            double, int, double, double, double);
+typedef void (*adam_f64_fn)(double *restrict, const double *restrict, double *restrict,
+                            double *restrict, Py_ssize_t, double, double, double, double,
+                            double, int, double, double, double);
+typedef void (*stats_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t *, double *);
+typedef void (*stats_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t *, double *);
+
+/* One set of loops per variant (ATTR: its target attribute). */
+#define VARIANT_LOOPS(SUFFIX, ATTR)                          \
+    ADAM_LOOP(adam_float_##SUFFIX, ATTR, float, sqrtf)      \
+    ADAM_LOOP(adam_double_##SUFFIX, ATTR, double, sqrt)     \
+    STATS_LOOP(stats_float_##SUFFIX, ATTR, float)           \
+    STATS_LOOP(stats_double_##SUFFIX, ATTR, double)
+
+#ifdef HAVE_AVX512F
+VARIANT_LOOPS(avx512f, __attribute__((target("avx512f"))))
+#endif
+#ifdef X86_VARIANTS
+VARIANT_LOOPS(avx2, __attribute__((target("avx2"))))
+#endif
+VARIANT_LOOPS(baseline, )
+
+static adam_f32_fn adam_float_v[N_VARIANTS];
+static adam_f64_fn adam_double_v[N_VARIANTS];
+static stats_f32_fn stats_float_v[N_VARIANTS];
+static stats_f64_fn stats_double_v[N_VARIANTS];
+
+#define REGISTER(V, SUFFIX)                        \
+    do {                                           \
+        adam_float_v[V] = adam_float_##SUFFIX;     \
+        adam_double_v[V] = adam_double_##SUFFIX;   \
+        stats_float_v[V] = stats_float_##SUFFIX;   \
+        stats_double_v[V] = stats_double_##SUFFIX; \
+        variant_built[V] = 1;                      \
+    } while (0)
+
+static void
+init_variants(void)
+{
+    REGISTER(V_BASELINE, baseline);
+    variant_supported[V_BASELINE] = 1;
+#ifdef X86_VARIANTS
+    __builtin_cpu_init();
+    REGISTER(V_AVX2, avx2);
+    variant_supported[V_AVX2] = __builtin_cpu_supports("avx2") != 0;
+#ifdef HAVE_AVX512F
+    REGISTER(V_AVX512F, avx512f);
+    variant_supported[V_AVX512F] = __builtin_cpu_supports("avx512f") != 0;
+#endif
+#endif
+    for (int v = 0; v < N_VARIANTS; v++)
+        if (variant_supported[v]) {
+            variant_auto = v;
+            break;
+        }
+}
+
+/* The variant named by `name` (NULL: the automatic one), or -1 with an exception. */
+static int
+parse_variant(const char *name)
+{
+    if (name == NULL) return variant_auto;
+    for (int v = 0; v < N_VARIANTS; v++) {
+        if (strcmp(name, variant_names[v]) != 0) continue;
+        if (!variant_supported[v]) {
+            PyErr_Format(PyExc_ValueError, "kernel variant '%s' %s", name,
+                         variant_built[v] ? "is not supported by this CPU"
+                                          : "was not compiled into this build");
+            return -1;
+        }
+        return v;
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "unknown kernel variant '%s' (one of 'avx512f', 'avx2', 'baseline')", name);
+    return -1;
+}
 
 static int
 get_vector(PyObject *obj, Py_buffer *view, int writable, const char *name)
@@ -75,20 +185,28 @@ element_kind(const Py_buffer *view)
 
 PyDoc_STRVAR(adam_doc,
 "adam(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay,\n"
-"     decoupled, bc1, bc2, divisor)\n\n"
+"     decoupled, bc1, bc2, divisor, *, variant=None)\n\n"
 "One Adam/AdamW step in place on four contiguous 1-D arrays of one dtype\n"
 "(float32 or float64). grad is read only. bc1 and bc2 are the bias corrections\n"
-"1 - beta**t; divisor averages a summed gradient.");
+"1 - beta**t; divisor averages a summed gradient. variant names the compiled loop\n"
+"to run (see variants()); None runs the best one this CPU supports.");
 
 static PyObject *
-adam(PyObject *self, PyObject *args)
+adam(PyObject *self, PyObject *args, PyObject *kwargs)
 {
+    static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_sq", "lr", "beta1",
+                             "beta2", "eps", "weight_decay", "decoupled", "bc1", "bc2",
+                             "divisor", "variant", NULL};
     PyObject *objs[4];
     double lr, b1, b2, eps, wd, bc1, bc2, div;
     int decoupled;
-    if (!PyArg_ParseTuple(args, "OOOOdddddpddd", &objs[0], &objs[1], &objs[2], &objs[3],
-                          &lr, &b1, &b2, &eps, &wd, &decoupled, &bc1, &bc2, &div))
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOdddddpddd|$z", kwlist, &objs[0],
+                                     &objs[1], &objs[2], &objs[3], &lr, &b1, &b2, &eps, &wd,
+                                     &decoupled, &bc1, &bc2, &div, &variant_name))
         return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
     static const char *names[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
     Py_buffer views[4];
     int got = 0;
@@ -116,11 +234,11 @@ adam(PyObject *self, PyObject *args)
     Py_ssize_t n = views[0].len / views[0].itemsize;
     Py_BEGIN_ALLOW_THREADS
     if (kind == 'f')
-        adam_float(views[0].buf, views[1].buf, views[2].buf, views[3].buf, n, lr, b1, b2,
-                   eps, wd, decoupled, bc1, bc2, div);
+        adam_float_v[variant](views[0].buf, views[1].buf, views[2].buf, views[3].buf, n, lr,
+                              b1, b2, eps, wd, decoupled, bc1, bc2, div);
     else
-        adam_double(views[0].buf, views[1].buf, views[2].buf, views[3].buf, n, lr, b1, b2,
-                    eps, wd, decoupled, bc1, bc2, div);
+        adam_double_v[variant](views[0].buf, views[1].buf, views[2].buf, views[3].buf, n, lr,
+                               b1, b2, eps, wd, decoupled, bc1, bc2, div);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -129,38 +247,23 @@ done:
     return result;
 }
 
-#define LANES 16
-#define STATS_LOOP(T)                                                               \
-    CLONES static void stats_##T(const T *restrict g, Py_ssize_t n,                  \
-                                 Py_ssize_t *nonfinite, double *sumsq) {             \
-        double acc[LANES] = {0.0}, total = 0.0;                                    \
-        Py_ssize_t bad = 0, i = 0;                                                 \
-        for (; i + LANES <= n; i += LANES)  /* LANES partial sums: vectorizable */ \
-            for (int j = 0; j < LANES; j++) {                                      \
-                const double x = (double)g[i + j];                                 \
-                acc[j] += x * x;                                                   \
-            }                                                                      \
-        for (; i < n; i++) total += (double)g[i] * (double)g[i];                   \
-        for (int j = 0; j < LANES; j++) total += acc[j];                           \
-        if (!isfinite(total))                                                      \
-            for (Py_ssize_t i = 0; i < n; i++) bad += !isfinite(g[i]);             \
-        *nonfinite = bad;                                                          \
-        *sumsq = total;                                                            \
-    }
-
-STATS_LOOP(float)
-STATS_LOOP(double)
-
 PyDoc_STRVAR(grad_stats_doc,
-"grad_stats(grad) -> (nonfinite, sumsq)\n\n"
+"grad_stats(grad, *, variant=None) -> (nonfinite, sumsq)\n\n"
 "Sum of squares of a contiguous float32/float64 array, accumulated in float64 in\n"
 "one pass, and the number of non-finite elements (counted only when the sum is\n"
 "not finite). A float64 array of finite values may overflow the sum: the caller\n"
-"rescales then.");
+"rescales then. variant as for adam().");
 
 static PyObject *
-grad_stats(PyObject *self, PyObject *arg)
+grad_stats(PyObject *self, PyObject *args, PyObject *kwargs)
 {
+    static char *kwlist[] = {"grad", "variant", NULL};
+    PyObject *arg;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$z", kwlist, &arg, &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
     Py_buffer view;
     if (get_vector(arg, &view, 0, "grad") < 0) return NULL;
     char kind = element_kind(&view);
@@ -174,17 +277,63 @@ grad_stats(PyObject *self, PyObject *arg)
     double total = 0.0;
     Py_BEGIN_ALLOW_THREADS
     if (kind == 'f')
-        stats_float(view.buf, n, &bad, &total);
+        stats_float_v[variant](view.buf, n, &bad, &total);
     else
-        stats_double(view.buf, n, &bad, &total);
+        stats_double_v[variant](view.buf, n, &bad, &total);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     return Py_BuildValue("(nd)", bad, total);
 }
 
+PyDoc_STRVAR(variants_doc,
+"variants() -> tuple of str\n\n"
+"The compiled loops this CPU can run, widest vectors first, among 'avx512f',\n"
+"'avx2' and 'baseline' (x86-64 without extensions, or the only one elsewhere).\n"
+"The first one runs when no variant is named.");
+
+/* The names of the variants whose flag is set, in order, as a tuple. */
+static PyObject *
+variant_tuple(const int *flags)
+{
+    PyObject *names = PyList_New(0);
+    for (int v = 0; names != NULL && v < N_VARIANTS; v++) {
+        if (!flags[v]) continue;
+        PyObject *name = PyUnicode_FromString(variant_names[v]);
+        if (name == NULL || PyList_Append(names, name) < 0) {
+            Py_XDECREF(name);
+            Py_DECREF(names);
+            return NULL;
+        }
+        Py_DECREF(name);
+    }
+    if (names == NULL) return NULL;
+    PyObject *result = PyList_AsTuple(names);
+    Py_DECREF(names);
+    return result;
+}
+
+static PyObject *
+variants(PyObject *self, PyObject *unused)
+{
+    return variant_tuple(variant_supported);
+}
+
+PyDoc_STRVAR(compiled_doc,
+"compiled() -> tuple of str\n\n"
+"Every loop compiled into this build, whether or not this CPU can run it.");
+
+static PyObject *
+compiled(PyObject *self, PyObject *unused)
+{
+    return variant_tuple(variant_built);
+}
+
 static PyMethodDef methods[] = {
-    {"adam", adam, METH_VARARGS, adam_doc},
-    {"grad_stats", grad_stats, METH_O, grad_stats_doc},
+    {"adam", (PyCFunction)(void (*)(void))adam, METH_VARARGS | METH_KEYWORDS, adam_doc},
+    {"grad_stats", (PyCFunction)(void (*)(void))grad_stats, METH_VARARGS | METH_KEYWORDS,
+     grad_stats_doc},
+    {"variants", variants, METH_NOARGS, variants_doc},
+    {"compiled", compiled, METH_NOARGS, compiled_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -197,5 +346,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__kernels(void)
 {
+    init_variants();
     return PyModule_Create(&module);
 }

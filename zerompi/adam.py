@@ -24,6 +24,12 @@ Two kernels compute it, with the same IEEE operations in the same order as
 
 ``ZEROMPI_KERNEL=numpy`` (or ``c``, which then must be present) chooses; :data:`KERNEL`
 says which one runs.
+
+The C loops are compiled for AVX-512, AVX2 and baseline x86-64 (only the baseline
+elsewhere) and the widest one the CPU runs is used; :data:`VARIANTS` lists those this
+CPU runs. ``ZEROMPI_KERNEL_VARIANT=avx2`` (say) makes every call use that one, and the
+``variant=`` argument of :func:`adam_step`/:func:`grad_stats` picks one per call (the
+tests run each one against the numpy kernel). All give the same bits.
 """
 
 from __future__ import annotations
@@ -56,6 +62,29 @@ def _choose_kernel(requested: str) -> str:
 
 #: The Adam kernel in use: ``"c"`` (fused, compiled) or ``"numpy"`` (blocked ufuncs).
 KERNEL: str = _choose_kernel(os.environ.get("ZEROMPI_KERNEL", ""))
+
+#: The compiled variants of the C kernel this CPU runs, widest vectors first (empty
+#: without the extension).
+VARIANTS: tuple[str, ...] = tuple(_kernels.variants()) if _kernels is not None else ()
+
+
+def _choose_variant(requested: str) -> str | None:
+    """The C variant every call runs for ``ZEROMPI_KERNEL_VARIANT=requested`` (``None``:
+    the widest one this CPU runs, chosen by the extension)."""
+    if requested in ("", "auto"):
+        return None
+    if _kernels is None:
+        raise ImportError(f"ZEROMPI_KERNEL_VARIANT={requested} but zerompi._kernels was not built")
+    if requested not in VARIANTS:
+        raise ValueError(
+            f"ZEROMPI_KERNEL_VARIANT={requested!r}: this CPU and build run "
+            f"{', '.join(VARIANTS)} (compiled: {', '.join(_kernels.compiled())})"
+        )
+    return requested
+
+
+#: The C variant every call runs (``None``: the widest one this CPU runs).
+VARIANT: str | None = _choose_variant(os.environ.get("ZEROMPI_KERNEL_VARIANT", "").strip())
 
 #: Elements per block: 4 arrays + scratch of one block stay within L2 cache.
 BLOCK = 1 << 15
@@ -118,13 +147,15 @@ def adam_step(
     scratch: np.ndarray,
     divisor: float = 1.0,
     kernel: str | None = None,
+    variant: str | None = None,
 ) -> None:
     """One Adam step on 1-D views of equal length, in place.
 
     ``grad`` is consumed (its contents are undefined afterwards). ``step`` is the
     1-based step count used for bias correction; ``divisor`` averages a gradient that
     was summed over ranks and micro-batches. ``kernel`` overrides :data:`KERNEL`;
-    views that are not contiguous take the numpy kernel.
+    views that are not contiguous take the numpy kernel. ``variant`` (one of
+    :data:`VARIANTS`) overrides :data:`VARIANT` for the C kernel.
     """
     c = config
     bc1 = 1.0 - c.beta1**step
@@ -137,6 +168,7 @@ def adam_step(
         _kernels.adam(
             param, grad, exp_avg, exp_avg_sq, c.lr, c.beta1, c.beta2, c.eps,
             c.weight_decay, c.decoupled, bc1, bc2, float(divisor),
+            variant=variant or VARIANT,
         )  # fmt: skip
         return
     n = param.shape[0]
@@ -174,7 +206,10 @@ STATS_CHUNK = 4096
 
 
 def grad_stats(
-    grad: np.ndarray, scratch: np.ndarray, kernel: str | None = None
+    grad: np.ndarray,
+    scratch: np.ndarray,
+    kernel: str | None = None,
+    variant: str | None = None,
 ) -> tuple[int, float]:
     """``(non-finite elements, sum of squares)`` of a 1-D view, read only.
 
@@ -183,30 +218,34 @@ def grad_stats(
     Elements are counted only in a chunk whose dot product is not finite; a chunk of
     finite values whose squares overflow its dtype is rescaled by its largest
     magnitude into ``scratch`` (chunks are at most ``len(scratch)`` long) and summed
-    again. The sum is ``inf`` or ``nan`` exactly when the count
-    is not zero.
+    again. The sum is ``nan`` or ``inf`` when the count is not zero, and ``inf`` with a
+    count of zero when finite float64 values have a sum of squares beyond float64's
+    range (float32 squares always fit).
     """
     if kernel is not None and kernel != KERNEL:
         kernel = _choose_kernel(kernel)
     if (kernel or KERNEL) == "c" and grad.flags.c_contiguous:
-        nonfinite, total = _kernels.grad_stats(grad)  # one pass, summed in float64
+        # one pass, summed in float64
+        nonfinite, total = _kernels.grad_stats(grad, variant=variant or VARIANT)
         if nonfinite or math.isfinite(total):
             return nonfinite, total
         # finite float64 values whose squares overflow: the rescaling path below
-    nonfinite = 0
-    total = 0.0
-    chunk = max(1, min(STATS_CHUNK, scratch.shape[0]))
-    for lo in range(0, grad.shape[0], chunk):
-        g = grad[lo : lo + chunk]
-        s = float(np.dot(g, g))
-        if not math.isfinite(s):
-            bad = g.shape[0] - int(np.count_nonzero(np.isfinite(g)))  # rare: chunk-sized
-            if bad:
-                nonfinite += bad
-            else:  # finite values whose squares overflow: rescale
-                amax = max(abs(float(g.max())), abs(float(g.min())))
-                t = scratch[: g.shape[0]]
-                np.divide(g, amax, out=t)
-                s = float(np.dot(t, t)) * amax * amax
-        total += s
+    # Overflow is expected and handled below: no RuntimeWarning for it.
+    with np.errstate(over="ignore"):
+        nonfinite = 0
+        total = 0.0
+        chunk = max(1, min(STATS_CHUNK, scratch.shape[0]))
+        for lo in range(0, grad.shape[0], chunk):
+            g = grad[lo : lo + chunk]
+            s = float(np.dot(g, g))
+            if not math.isfinite(s):
+                bad = g.shape[0] - int(np.count_nonzero(np.isfinite(g)))  # rare: chunk-sized
+                if bad:
+                    nonfinite += bad
+                else:  # finite values whose squares overflow: rescale
+                    amax = max(abs(float(g.max())), abs(float(g.min())))
+                    t = scratch[: g.shape[0]]
+                    np.divide(g, amax, out=t)
+                    s = float(np.dot(t, t)) * amax * amax
+            total += s
     return nonfinite, total
