@@ -15,6 +15,7 @@ fails the next step's agreement or ends with a diagnosis within its timeout.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -281,16 +282,42 @@ class Comm(FileIO, Agreement):
     # -- small collectives -----------------------------------------------------
 
     def allgather(self, obj: Any) -> list[Any]:
-        """Every rank's (small, picklable) ``obj``, in rank order."""
-        return self._blocking("allgather", -1, lambda: self.mpi.allgather(obj))
+        """Every rank's (small, picklable) ``obj``, in rank order. Pickled here and
+        moved with buffer collectives, which release the GIL while they wait (mpi4py's
+        pickle-based collectives may not), so the watchdog thread can still run."""
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        sizes = np.empty(self.size, np.int64)
+        mine = np.array([data.shape[0]], np.int64)
+        self._blocking("allgather", -1,
+                       lambda: self.mpi.Allgather([mine, MPI.INT64_T], [sizes, MPI.INT64_T]))
+        displs = np.zeros(self.size, np.int64)
+        np.cumsum(sizes[:-1], out=displs[1:])
+        out = np.empty(int(sizes.sum()), np.uint8)
+        self._blocking(
+            "allgather", -1,
+            lambda: self.mpi.Allgatherv(
+                [data, MPI.BYTE], [out, sizes.tolist(), displs.tolist(), MPI.BYTE]
+            ),
+        )  # fmt: skip
+        return [pickle.loads(out[d : d + s].tobytes()) for d, s in zip(displs, sizes, strict=True)]
+
+    def _reduce_scalar(self, value: float, op: MPI.Op) -> float:
+        send = np.array([value], np.float64)
+        out = np.empty(1, np.float64)
+        self._blocking(
+            "allreduce", -1,
+            lambda: self.mpi.Allreduce([send, MPI.DOUBLE], [out, MPI.DOUBLE], op=op),
+        )
+        result = float(out[0])
+        return int(result) if isinstance(value, (int, np.integer)) else result
 
     def max(self, value: float) -> float:
         """Maximum of a scalar over ranks."""
-        return self._blocking("allreduce", -1, lambda: self.mpi.allreduce(value, op=MPI.MAX))
+        return self._reduce_scalar(value, MPI.MAX)
 
     def sum(self, value: float) -> float:
         """Sum of a scalar over ranks."""
-        return self._blocking("allreduce", -1, lambda: self.mpi.allreduce(value, op=MPI.SUM))
+        return self._reduce_scalar(value, MPI.SUM)
 
     def allgather_float64(self, values: np.ndarray, op: str = "allgather") -> np.ndarray:
         """Collective: every rank's small 1-D ``float64`` array, stacked in rank order

@@ -1,0 +1,174 @@
+"""Ranks whose collective calls part ways: never a silent mix, never a silent hang.
+
+Two kinds of desynchronisation, two mechanisms:
+
+* ranks that make *different* calls (different buckets handed over, a different number
+  of micro-batches) are caught by the step's agreement, which carries each rank's
+  fingerprint of its collective calls: ``CollectiveError`` on every rank, naming the
+  first call that differs and the ranks on each side, state untouched. These run
+  in-process on every communicator of the suite;
+* a collective that some rank never enters (``if rank == 0: opt.step()``) is ended by
+  the watchdog: the waiting rank prints what it waits in and which ranks of its node
+  have not arrived, then aborts the job. These run as subprocess ``mpiexec`` jobs
+  (serial run only) with ``ZEROMPI_TIMEOUT=3``; each must end non-zero within the
+  timeout plus a few seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import assert_all
+from mpi4py import MPI
+from test_failures import run
+from test_harness import mpiexec
+
+from zerompi import ZeroOptimizer
+from zerompi.mpi.agreement import CollectiveError
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "desync_script.py"
+TIMEOUT = 3.0  # ZEROMPI_TIMEOUT of the subprocess jobs
+SLACK = 6.0  # seconds past it by which the job must have ended
+
+
+def _params() -> dict[str, np.ndarray]:
+    return {"a.w": np.zeros(4, np.float32), "b.w": np.zeros(4, np.float32)}
+
+
+def _untouched(opt: ZeroOptimizer) -> bool:
+    full = opt.full_params()
+    return opt.step_count == 0 and all(not np.any(v) for v in full.values())
+
+
+def _refused(opt: ZeroOptimizer, match: str) -> tuple[list[str], str]:
+    """``opt.step()`` must raise CollectiveError containing ``match`` on this rank and
+    leave the state untouched; returns what went wrong and the message (checked
+    collectively later: every rank of the world must make the same WORLD calls)."""
+    try:
+        opt.step()
+    except CollectiveError as exc:
+        problems = [] if match in str(exc) else [f"{match!r} not in: {exc}"]
+        return problems + ([] if _untouched(opt) else ["state changed by a refused step"]), str(
+            exc
+        )
+    return ["step() did not raise"], ""
+
+
+#: What the refused step says: the first call that differs, both sides.
+BOTH_SIDES = re.compile(
+    r"rank 0 made reduce_scatter of bucket 0 \[a\.w\] \(4 elements\); "
+    r"ranks? [\d, ]+ made reduce_scatter of bucket 1 \[b\.w\]"
+)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_different_buckets_handed_over(comm: MPI.Intracomm, stage: int, shared: bool) -> None:
+    """Rank 0 hands over ``a``, the others ``b`` (equal sizes: MPI pairs them up):
+    the step raises on every rank instead of mixing the gradients, naming the first
+    call that differs and the ranks on each side, and the optimizer goes on training
+    once the ranks agree again."""
+    opt = ZeroOptimizer(_params(), comm=comm, stage=stage, shared_memory=shared, lr=1.0,
+                        bucket_elems=4)  # fmt: skip
+    problems: list[str] = []
+    if comm.size > 1:
+        name = "a" if comm.rank == 0 else "b"
+        with opt.gradients(name) as g:
+            g[f"{name}.w"][...] += 1.0
+        problems, message = _refused(opt, "collective calls differ")
+        if not BOTH_SIDES.search(message):
+            problems.append(f"the message does not name both sides: {message}")
+    for name in ("a", "b"):  # agreeing (again): training goes on
+        with opt.gradients(name) as g:
+            g[f"{name}.w"][...] += 1.0
+    opt.step()
+    full = opt.full_params()
+    if opt.step_count != 1 or not all(np.allclose(v, -1.0) for v in full.values()):
+        problems.append(f"after recovery: step {opt.step_count}, {full}")
+    opt.close()
+    assert_all(not problems, "; ".join(problems))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_extra_accumulate_on_one_rank(comm: MPI.Intracomm, stage: int) -> None:
+    """One more ``accumulate()`` on rank 0: a clear error on every rank at the step,
+    at every stage (no collective of its own, so nothing to hang in)."""
+    opt = ZeroOptimizer(_params(), comm=comm, stage=stage, lr=1.0, bucket_elems=4)
+    for name in ("a", "b"):
+        with opt.gradients(name) as g:
+            g[f"{name}.w"][...] += 1.0
+    opt.accumulate()
+    problems: list[str] = []
+    if comm.size > 1:
+        if comm.rank == 0:
+            opt.accumulate()
+        problems, _ = _refused(opt, "number of micro-batches differs between ranks: rank 0 has 2")
+    assert_all(not problems, "; ".join(problems))
+
+
+def test_fingerprint_counts_gathers(comm: MPI.Intracomm) -> None:
+    """Stage 3: ranks that gathered different layers (equal sizes) are caught too."""
+    opt = ZeroOptimizer(_params(), comm=comm, stage=3, lr=1.0)
+    with opt.gathered("a" if comm.rank == 0 else "b"):
+        pass
+    problems = _refused(opt, "allgatherv of bucket")[0] if comm.size > 1 else []
+    assert_all(not problems, "; ".join(problems))
+
+
+# -- a collective some rank never enters: the watchdog ----------------------------------
+
+
+def _job(case: str, stage: int, shared: bool = False) -> tuple[int, str, float]:
+    cmd = [mpiexec(), "-n", "2", "python", str(SCRIPT), case, str(stage), str(int(shared))]
+    status, out, end = run(cmd, timeout=60, ZEROMPI_TIMEOUT=str(TIMEOUT))
+    starts = [float(s) for s in re.findall(r"START (\d+\.\d+)", out)]
+    assert starts, out
+    return status, out, end - max(starts)
+
+
+WATCHDOG_CASES = [
+    ("step0", 0, False, "allreduce of bucket 0"),
+    ("step0", 1, False, "reduce_scatter of bucket 0"),
+    ("step0", 2, False, "allreduce"),  # stage 2's once-only opt.grads decision
+    ("step0", 2, True, "allreduce"),
+    ("step0", 3, False, "allreduce"),
+    ("save0", 2, False, "allreduce"),  # the checkpoint's checksums
+    ("full0", 3, False, "allgatherv of bucket 0"),
+]
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize(("case", "stage", "shared", "waits_in"), WATCHDOG_CASES)
+def test_watchdog_ends_a_collective_one_rank_never_enters(
+    case: str, stage: int, shared: bool, waits_in: str
+) -> None:
+    status, out, seconds = _job(case, stage, shared)
+    assert status != 0, out
+    assert seconds < TIMEOUT + SLACK, f"{seconds:.1f} s:\n{out}"
+    assert "zerompi watchdog: rank 0 of 2 has waited" in out, out
+    assert f"in {waits_in}" in out, out
+    assert "rank 1 has not arrived" in out, out
+    assert "aborting all ranks" in out, out
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize(("case", "stage", "shared"), [
+    ("mix", 2, False), ("mix", 2, True), ("mix", 3, False), ("mix", 3, True),
+    ("accumulate", 2, False), ("accumulate", 3, False),
+])  # fmt: skip
+def test_desync_ends_the_job_without_the_watchdog(case: str, stage: int, shared: bool) -> None:
+    """The same cases as whole jobs: the uncaught CollectiveError ends them at once."""
+    status, out, seconds = _job(case, stage, shared)
+    assert status != 0, out
+    assert seconds < SLACK, f"{seconds:.1f} s:\n{out}"
+    assert "CollectiveError" in out and "watchdog" not in out, out
+
+
+@pytest.mark.mpi_skip
+def test_agreeing_job_exits_zero() -> None:
+    status, out, _ = _job("none", 2, True)
+    assert status == 0, out
