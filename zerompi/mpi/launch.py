@@ -198,9 +198,13 @@ def install_abort_hook() -> bool:
     print ``zerompi: rank R of W failed: <Type>: <message>`` and the traceback to
     stderr and call ``MPI.COMM_WORLD.Abort(1)`` (130 for ``KeyboardInterrupt``, with a
     one-line message), so the launcher kills every rank instead of leaving the others
-    waiting forever in a collective. With one process, or before ``MPI_Init`` / after
-    ``MPI_Finalize``, the previous hooks run unchanged. Works under ``python -m mpi4py``
-    too (its runner re-raises the exception, which then reaches this hook).
+    waiting forever in a collective. Each failing rank prints its traceback once
+    (without the frames of ``python -m mpi4py``'s runner); an error raised identically
+    on every rank (:func:`mark_raised_on_every_rank`, ``CollectiveError``) is printed
+    in full by rank 0 only, the other ranks print one line. With one process, or
+    before ``MPI_Init`` / after ``MPI_Finalize``, the previous hooks run unchanged.
+    Works under ``python -m mpi4py`` too (its runner re-raises the exception, which
+    then reaches this hook, and nothing prints it again).
 
     Not covered: ``sys.exit()``/``SystemExit`` on one rank (it bypasses the excepthook;
     run under ``python -m mpi4py`` to abort on a non-zero exit status too) and a rank
