@@ -1,7 +1,9 @@
 """``python -m zerompi.bench`` end to end: a tiny run under a subprocess mpiexec.
 
 Serial only (``mpi_skip``): launching mpiexec from inside an mpiexec'd test is not
-portable. Only the JSON's shape is checked, never a timing.
+portable. Only the JSON's shape is checked, never a timing. The optimizer's
+shared-memory reduction is left out (``--no-shared-memory``): it is not what these
+tests are about.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ ROOT = Path(__file__).parent.parent
 
 @pytest.mark.mpi_skip
 def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
+    out = tmp_path / "missing" / "dir" / "bench.json"  # folders made before measuring
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.bench"]
     cmd += ["--sizes", "1000,5", "--steps", "2", "--warmup", "1", "--no-torch"]
+    cmd += ["--tensors", "40", "--tensor-size", "16", "--no-shared-memory"]
     cmd += ["--json", str(out), "--blas-threads", "1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
     text = proc.stdout + proc.stderr
@@ -42,6 +45,29 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
         assert set(row["phase_ms"]) == {"reduce_scatter", "adam", "allgather"}
         assert {"impl", "elems_per_s", "torch_fused_elems_per_s", "ratio"} <= set(row["kernel"])
         assert "torch" not in row  # --no-torch
+    # The many-tensor row: one per stage, with the per-tensor figures.
+    many = results["many_tensors"]
+    assert [r["stage"] for r in many] == [0, 1, 2, 3]
+    for row in many:
+        assert row["tensors"] == 40 and row["tensor_elems"] == 16 and row["params"] == 640
+        assert row["wall_ms"] > 0 and row["bare_ms"] > 0 and row["us_per_tensor"] > 0
+        assert row["overhead_us_per_tensor"] == pytest.approx(
+            1e3 * (row["wall_ms"] - row["bare_ms"]) / 40
+        )
+    assert many[3]["buckets"] == 40  # stage 3: one bucket per one-tensor layer
+    assert any(t["key"] == "overhead_us_per_tensor" for t in results["targets"])
+    assert "many tensors: 40 one-tensor layers" in proc.stdout
     # The plot is optional: written beside the JSON, or a note that matplotlib is missing.
     assert out.with_suffix(".png").exists() or "matplotlib not installed" in text
     assert "stage" in proc.stdout and "kernel" in proc.stdout
+
+
+@pytest.mark.mpi_skip
+def test_an_unwritable_json_path_fails_before_measuring(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")  # a file where the folder should be
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.bench", "--no-torch"]
+    cmd += ["--json", str(tmp_path / "file" / "sub" / "bench.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("error: cannot create the folder") == 1, proc.stderr
+    assert "world size" not in proc.stdout  # failed before the first measurement

@@ -6,6 +6,7 @@ Subprocess mpiexec runs, so serial only (``mpi_skip``), each bounded by a timeou
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -64,8 +65,14 @@ def test_resume_is_bit_identical_and_keeps_the_newest(stage: int, tmp_path: Path
     driver(3, "--stage", str(stage), "--steps", "7", "--save", str(tmp_path / "part"),
            "--save-every", "2", "--keep", "2")
     assert sorted(p.name for p in tmp_path.glob("part.*")) == ["part.00000006", "part.00000007"]
-    out = driver(3, *common, "--resume", str(tmp_path / "part"), "--save", str(tmp_path / "part"))
+    out = driver(3, *common, "--resume", str(tmp_path / "part"), "--save", str(tmp_path / "part"),
+                 "--json", str(tmp_path / "resumed.json"))
     assert "resumed from" in out and "part.00000007 at step 7" in out
+    # The summary counts the 5 steps this run made, not the 12 reached.
+    assert "over 5 steps (steps 8-12, resumed at step 7;" in out, out
+    result = json.loads((tmp_path / "resumed.json").read_text())
+    assert (result["steps_run"], result["first_step"], result["steps"]) == (5, 7, 12)
+    assert len(result["losses"]) == len(result["grad_norms"]) == 5
     assert same_state(tmp_path / "full.00000012", tmp_path / "part.00000012")
 
 
@@ -75,6 +82,7 @@ def test_resume_at_other_world_sizes_and_stages(tmp_path: Path) -> None:
         out = driver(ranks, "--stage", str(stage), "--steps", "8", "--verify",
                      "--resume", str(tmp_path / "a.00000005"))
         assert "verify OK" in out, out  # the resumed run still matches the reference
+        assert f"over {8 - 5} steps (steps 6-8, resumed at step 5;" in out, out
 
 
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_intact(tmp_path: Path) -> None:

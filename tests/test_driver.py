@@ -2,21 +2,29 @@
 
 The mpiexec runs happen only in the serial pytest run (``mpi_skip``): launching
 mpiexec from inside an mpiexec'd test is not portable. Each run has its own timeout.
+The ``--verify`` tests with an injected averaging error run ``main()`` in-process,
+serially and on every rank of ``--with-mpi`` alike.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import WORLD, assert_all
 from test_harness import mpiexec
 
+import zerompi
+import zerompi.driver.training
 from zerompi import mlp
+from zerompi.driver import main
 
 ROOT = Path(__file__).parent.parent
 
@@ -79,8 +87,10 @@ def test_default_run_trains_and_matches_the_reference(
     assert result["world_size"] == ranks and result["stage"] == stage
     assert result["params"] == mlp.count_params(result["layer_sizes"])
     assert result["loss_last"] < 0.6 * result["loss_first"], result["losses"]
-    assert len(result["losses"]) == result["steps"] == 60
+    assert len(result["losses"]) == len(result["grad_norms"]) == result["steps"] == 60
+    assert result["steps_run"] == 60 and result["first_step"] == 0
     assert result["max_rel_diff"] <= 1e-4, text
+    assert result["grad_norm_rel_diff"] <= 1e-4 and result["verify_ok"], text
     if ranks == 1:
         assert result["max_abs_diff"] == 0.0  # one rank reproduces the reference exactly
     for key in ("step_ms", "train_step_ms"):
@@ -173,6 +183,74 @@ def test_help_and_bad_options_fail_cleanly(tmp_path: Path) -> None:
         )
         assert proc.returncode == 2, (bad, proc.stdout, proc.stderr)
         assert proc.stderr.count("error:") == 1, proc.stderr
+
+
+@pytest.mark.mpi_skip
+def test_json_folder_is_made_and_an_unwritable_path_fails_before_training(
+    tmp_path: Path,
+) -> None:
+    result, _ = run_driver(2, tmp_path / "new" / "folder", "--steps", "2")
+    assert result["steps_run"] == 2
+    (tmp_path / "file").write_text("")
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.driver", "--steps", "2",
+           "--json", str(tmp_path / "file" / "out.json")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("error: --json: cannot create the folder") == 1, proc.stderr
+    assert "zerompi.driver: MLP" not in proc.stdout  # nothing was trained
+
+
+def _scaled_micro_batch(factor: float) -> Callable[..., float]:
+    """The driver's ``micro_batch`` handing over ``factor`` times the gradient."""
+    original = zerompi.driver.training.micro_batch
+
+    def wrong(opt, names, x, y, scale):  # type: ignore[no-untyped-def]
+        return original(opt, names, x, y, scale * factor)
+
+    return wrong
+
+
+@pytest.mark.parametrize(
+    "error", ["none", "over_w_minus_1", "micro_batches_summed", "adam_divisor"]
+)
+def test_verify_catches_an_averaging_error(
+    error: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--verify`` fails (status 1 on every rank) when the gradient is averaged
+    wrongly, although Adam's m/sqrt(v) hides the scale from the parameters: over W-1
+    ranks instead of W, micro-batches summed instead of averaged (both caught by the
+    gradient norms), or a wrong divisor in Adam alone (caught by the parameters once
+    L2 weight decay makes Adam scale-sensitive). Collective: every rank runs main()."""
+    world = WORLD.size
+    if error == "over_w_minus_1" and world == 1:
+        pytest.skip("needs more than one rank (run under mpiexec --with-mpi)")
+    argv = ["--steps", "10", "--batch", "48", "--micro-batches", "3", "--verify",
+            "--log-every", "1000", "--blas-threads", "1"]  # fmt: skip
+    if error == "over_w_minus_1":
+        factor = world / (world - 1)
+        monkeypatch.setattr(zerompi.driver.training, "micro_batch", _scaled_micro_batch(factor))
+    elif error == "micro_batches_summed":
+        monkeypatch.setattr(zerompi.driver.training, "micro_batch", _scaled_micro_batch(3))
+    elif error == "adam_divisor":  # Adam divides by W instead of W * micro-batches
+        module = importlib.import_module(zerompi.ZeroOptimizer.__module__)
+        adam_step = module.adam_step
+
+        def wrong_adam(*args, **kwargs):  # type: ignore[no-untyped-def]
+            *head, divisor = args
+            return adam_step(*head, divisor / 3, **kwargs)
+
+        monkeypatch.setattr(module, "adam_step", wrong_adam)
+        argv += ["--weight-decay", "0.01"]
+    status = main(argv)
+    out, err = capsys.readouterr()
+    if error == "none":
+        assert_all(status == 0 and (WORLD.rank or "verify OK" in out), f"{status}: {out}{err}")
+        return
+    assert_all(status == 1, f"verify passed despite {error}: {out}")
+    if WORLD.rank == 0:
+        assert "verify FAILED" in out and "verification FAILED" in err, out + err
+        what = "parameters differ" if error == "adam_divisor" else "gradient norms differ"
+        assert what in err, err
 
 
 def test_model_gradient_matches_finite_differences() -> None:
