@@ -34,14 +34,14 @@ class NoGather:
 class MPIGather(NoGather):
     def __init__(self, comm: Comm, layout: Layout, parts: Sequence[Part]) -> None:
         self.comm = comm
-        self.args = [(p.full_param, b.counts, b.displs) for p, b in zip(parts, layout.buckets,
-                                                                         strict=True)]  # fmt: skip
+        self.planned = [
+            comm.plan_allgatherv(p.full_param, b.counts, b.displs, p.index)  # type: ignore[arg-type]
+            for p, b in zip(parts, layout.buckets, strict=True)
+        ]
         self.pending: list[Pending] = []
 
     def started(self, index: int) -> None:
-        buf, counts, displs = self.args[index]
-        assert buf is not None
-        self.pending.append(self.comm.iallgatherv(buf, counts, displs, tag=index))
+        self.pending.append(self.planned[index].start())
 
     def progress(self) -> None:
         if self.pending:

@@ -30,8 +30,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -45,7 +44,7 @@ from .mpi.collectives import Comm
 from .mpi.launch import check_world, install_abort_hook
 from .mpi.watchdog import resolve_timeout
 from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_layout
-from .plan import bucket_parts, shard_of, stage_plan
+from .plan import bucket_parts, runs, shard_of, stage_plan
 from .reducer import FullReducer, StreamReducer
 from .state import PHASES, OptimizerState
 
@@ -59,6 +58,29 @@ ADAM_CHUNK = 1 << 18
 #: ``ZEROMPI_DEBUG=1``: fill a stage-3 gather buffer with NaN when its block ends, so
 #: an array kept past its ``gathered`` block shows NaN instead of the next layer.
 DEBUG = os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0")
+
+
+class Block:
+    """What ``with opt.gathered(...)`` / ``with opt.gradients(...)`` enter: the arrays,
+    what to do on any exit (``always``) and on a normal one (``on_exit``). A plain
+    class, not a generator: it is entered three times per layer and step."""
+
+    __slots__ = ("always", "on_exit", "views")
+
+    def __init__(
+        self, views: Mapping[str, np.ndarray], on_exit: Callable[[], None] | None = None,
+        always: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.views, self.on_exit, self.always = views, on_exit, always
+
+    def __enter__(self) -> Mapping[str, np.ndarray]:
+        return self.views
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self.always is not None:
+            self.always()
+        if exc_type is None and self.on_exit is not None:
+            self.on_exit()
 
 
 class ZeroOptimizer(OptimizerState):
@@ -207,6 +229,28 @@ class ZeroOptimizer(OptimizerState):
                 comm.bcast_inplace(buf, root=0, tag=i)
                 shard_of(self._flat, layout, i)[...] = buf[slice(*bucket.local(comm.rank))]
         self.parts = bucket_parts(self.plan, layout, stores)
+        # One kernel call per run of buckets contiguous in memory, unless each
+        # bucket's gather must start as soon as its part is updated.
+        merge = self.plan.gather != "allgatherv"
+        self._adam_runs = runs(self.parts, ("param", "grad", "exp_avg", "exp_avg_sq"), merge)
+        self._stats_runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.parts)
+        for run in runs(self.parts, ("stats",), merge=True):
+            self._stats_runs[run.last] = (run.arrays[0], run.scratch)
+        n = len(layout.buckets)
+        self._lookups: dict[tuple[str, ...], tuple[int, list[str]]] = {}
+        self._gather_views: list[dict[str, np.ndarray] | None] = [None] * n
+        slots = 1 if self.plan.full_grads else OVERLAP_SLOTS if self.overlap else 1
+        self._staging_views: list[list[dict[str, np.ndarray] | None]] = [
+            [None] * n for _ in range(slots)
+        ]
+        if not self.plan.full_params:
+            self._gather_bufs = [
+                stores["param_bucket"][b.dtype][: b.size] for b in layout.buckets
+            ]
+            self._gather_plans = [  # (this rank's part of the buffer, its allgatherv)
+                (buf[slice(*b.local(comm.rank))], comm.plan_allgatherv(buf, b.counts, b.displs, i))
+                for i, (b, buf) in enumerate(zip(layout.buckets, self._gather_bufs, strict=True))
+            ]
         if self.plan.full_grads:
             self._grads = FlatArrays(
                 {n: self._view(stores["grads"], n) for n in self._order}, "gradient"
@@ -343,60 +387,87 @@ class ZeroOptimizer(OptimizerState):
         self._grads = FlatArrays({n: self._view(full, n) for n in self._order}, "gradient")
         return full
 
-    @contextmanager
-    def gathered(self, *names: str) -> Iterator[Mapping[str, np.ndarray]]:
-        """The full parameters ``names`` (parameter or group names) for the duration of
-        the block. Stage 3 gathers their bucket with ``Allgatherv`` into the gather
-        buffer (collective: every rank must enter it) and releases it on exit; the
-        arrays must not be used after the block (``ZEROMPI_DEBUG=1`` fills them with
-        NaN on exit). Stages 0-2: the persistent views."""
+    def gathered(self, *names: str) -> Block:
+        """``with opt.gathered(*names) as p``: the full parameters ``names`` (parameter
+        or group names) for the duration of the block. Stage 3 gathers their bucket
+        with ``Allgatherv`` into the gather buffer (collective: every rank must enter
+        it) and releases it on exit; the arrays must not be used after the block
+        (``ZEROMPI_DEBUG=1`` fills them with NaN on exit). Stages 0-2: the persistent
+        views."""
         self._live("gathered")
-        resolved = self._resolve(names)
+        index, resolved = self._lookup(names, "gathered")
         if self.plan.full_params:
-            yield {n: self._params[n] for n in resolved}
-            return
-        index = self._single_bucket(resolved, "gathered")
+            return Block({n: self._params[n] for n in resolved})
         if self._gathered is not None:
             raise RuntimeError(
                 "opt.gathered() blocks cannot nest in stage 3: one layer's parameters are "
                 "gathered at a time"
             )
-        bucket = self.layout.buckets[index]
-        buf = self._stores["param_bucket"][bucket.dtype][: bucket.size]
+        if index < 0:
+            self._single_bucket(resolved, "gathered")  # raises: one bucket at a time
         start = time.perf_counter()
-        buf[slice(*bucket.local(self.comm.rank))] = self.parts[index].param
-        self.comm.iallgatherv(buf, bucket.counts, bucket.displs, tag=index).wait()
+        own, planned = self._gather_plans[index]
+        np.copyto(own, self.parts[index].param)
+        planned.start().wait()
         self.timings["allgather"] += time.perf_counter() - start
         self._gathered = index
-        try:
-            yield {n: self._bucket_view(buf, bucket, n) for n in resolved}
-        finally:
-            self._gathered = None
-            if DEBUG:
-                buf.fill(np.nan)
+        views = self._views(self._gather_views, index, self._gather_bufs[index], resolved)
+        return Block(views, always=self._release_gathered)
 
-    @contextmanager
-    def gradients(self, *names: str) -> Iterator[Mapping[str, np.ndarray]]:
-        """Arrays to *add* the gradients of ``names`` into. On exit they are handed
-        over: in stages 2-3, once every parameter of a bucket has been handed over in
-        this micro-batch, the bucket is reduce-scattered (collective) and only this
-        rank's shard kept. Stages 0-1: views into the full gradient buffer."""
+    def _release_gathered(self) -> None:
+        if DEBUG and self._gathered is not None:
+            self._gather_bufs[self._gathered].fill(np.nan)
+        self._gathered = None
+
+    def gradients(self, *names: str) -> Block:
+        """``with opt.gradients(*names) as g``: arrays to *add* the gradients of
+        ``names`` into. On a normal exit they are handed over: in stages 2-3, once
+        every parameter of a bucket has been handed over in this micro-batch, the
+        bucket is reduce-scattered (collective) and only this rank's shard kept.
+        Stages 0-1: views into the full gradient buffer."""
         self._live("gradients")
-        resolved = self._resolve(names)
+        index, resolved = self._lookup(names, "gradients")
         if self.plan.full_grads:
-            yield {n: self._grads[n] for n in resolved}
-            return
-        index = self._single_bucket(resolved, "gradients")
+            return Block({n: self._grads[n] for n in resolved})
+        if index < 0:
+            self._single_bucket(resolved, "gradients")  # raises: one bucket at a time
         reducer = self.reducer
         assert isinstance(reducer, StreamReducer)
         start = time.perf_counter()
         buf = reducer.begin(index)
         self.timings["reduce_scatter"] += time.perf_counter() - start
-        bucket = self.layout.buckets[index]
-        yield {n: self._bucket_view(buf, bucket, n) for n in resolved}
+        views = self._views(self._staging_views[reducer.slot], index, buf, resolved)
+        return Block(views, on_exit=lambda: self._handed_over(resolved))
+
+    def _handed_over(self, names: list[str]) -> None:
         start = time.perf_counter()
-        reducer.handed_over(resolved)
+        self.reducer.handed_over(names)  # type: ignore[union-attr]
         self.timings["reduce_scatter"] += time.perf_counter() - start
+
+    def _views(
+        self, cache: list[dict[str, np.ndarray] | None], index: int, buf: np.ndarray,
+        names: Sequence[str],
+    ) -> Mapping[str, np.ndarray]:  # fmt: skip
+        """Name -> view of ``buf`` (bucket ``index``'s buffer) for ``names``; the views
+        of a whole bucket are made once and kept in ``cache``."""
+        bucket = self.layout.buckets[index]
+        if len(names) != len(bucket.names):
+            return {n: self._bucket_view(buf, bucket, n) for n in names}
+        views = cache[index]
+        if views is None:
+            views = cache[index] = {n: self._bucket_view(buf, bucket, n) for n in names}
+        return dict(views)
+
+    def _lookup(self, names: tuple[str, ...], what: str) -> tuple[int, list[str]]:
+        """The bucket and parameter names of ``names`` (parameter or group names),
+        cached: the hand-over of a layer costs O(1), not O(model)."""
+        found = self._lookups.get(names)
+        if found is None:
+            resolved = self._resolve(names)
+            indices = {self.layout.bucket_of[n] for n in resolved}
+            found = (indices.pop() if len(indices) == 1 else -1, resolved)
+            self._lookups[names] = found
+        return found
 
     # -- training --------------------------------------------------------------
 
@@ -455,13 +526,14 @@ class ZeroOptimizer(OptimizerState):
         """Every bucket's reduction, and this rank's row of the agreement."""
         stats = self._stats
         stats[:2] = 0.0
-        parts = self.parts
+        ends = self._stats_runs
 
-        def visit(index: int) -> None:
-            part = parts[index]
-            bad, sumsq = grad_stats(part.stats, part.scratch)
-            stats[0] += bad
-            stats[1] += sumsq
+        def visit(index: int) -> None:  # bucket `index` is reduced
+            run = ends[index]
+            if run is not None:  # it ends a run of reduced buckets
+                bad, sumsq = grad_stats(*run)
+                stats[0] += bad
+                stats[1] += sumsq
 
         self.reducer.reduce(visit)
         stats[2], stats[3] = self.step_count, self._micro_batches
@@ -527,10 +599,8 @@ class ZeroOptimizer(OptimizerState):
         clock = time.perf_counter
         adam_s = gather_s = 0.0
         step_count, config, gatherer = self.step_count, self.config, self.gatherer
-        for part in self.parts:
-            param, grad, m, v, scratch = (
-                part.param, part.grad, part.exp_avg, part.exp_avg_sq, part.scratch
-            )  # fmt: skip
+        for run in self._adam_runs:
+            (param, grad, m, v), scratch = run.arrays, run.scratch
             for lo in range(0, param.shape[0], ADAM_CHUNK):
                 hi = lo + ADAM_CHUNK
                 t1 = clock()
@@ -541,7 +611,7 @@ class ZeroOptimizer(OptimizerState):
                 gatherer.progress()
                 gather_s += clock() - t2
             t2 = clock()
-            gatherer.started(part.index)
+            gatherer.started(run.last)  # a run is one bucket where gathers start per bucket
             gather_s += clock() - t2
         self.timings["adam"] += adam_s
         self.timings["allgather"] += gather_s

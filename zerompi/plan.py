@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from .partition import Layout
 
@@ -124,3 +125,38 @@ def bucket_parts(plan: StagePlan, layout: Layout, stores: Mapping[str, Store]) -
             Part(index, grad, stats, param, exp_avg, exp_avg_sq, scratch, full_param, full_grad)
         )
     return parts
+
+
+class Run(NamedTuple):
+    """Consecutive buckets whose arrays continue one another in memory, so one kernel
+    call covers them all (stage 3's one-layer buckets: one Adam call per dtype, not
+    one per layer). ``last`` is the index of its last bucket."""
+
+    last: int
+    arrays: tuple[np.ndarray, ...]
+    scratch: np.ndarray  # the kernel's scratch block of the run's dtype
+
+
+def _continues(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.ctypes.data + a.nbytes == b.ctypes.data
+
+
+def runs(parts: list[Part], fields: tuple[str, ...], merge: bool) -> list[Run]:
+    """The parts' ``fields`` (e.g. ``("param", "grad", "exp_avg", "exp_avg_sq")``)
+    grouped into runs of buckets that continue one another in every field (only
+    with ``merge``; else one run per bucket), each field joined into one view."""
+    out: list[Run] = []
+    for part in parts:
+        arrays = tuple(getattr(part, f) for f in fields)
+        if merge and out and all(
+            _continues(a, b) for a, b in zip(out[-1].arrays, arrays, strict=True)
+        ):
+            joined = tuple(
+                as_strided(a, shape=(a.size + b.size,), strides=(a.itemsize,), writeable=True)
+                for a, b in zip(out[-1].arrays, arrays, strict=True)
+            )  # same buffer, continuing: one longer view of it
+            out[-1] = Run(part.index, joined, part.scratch)
+        else:
+            out.append(Run(part.index, arrays, part.scratch))
+    return out
+

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .mpi.collectives import Comm, Pending
+from .mpi.collectives import Comm, Pending, Planned
 from .mpi.shm import SharedSegment
 from .partition import Layout
 from .plan import Part
@@ -41,7 +41,10 @@ class FullReducer:
         self.comm = comm
         self.parts = parts
         self.allreduce = allreduce
-        self.counts = [b.counts for b in layout.buckets]
+        self.planned = [] if allreduce else [
+            comm.plan_reduce_scatter(p.full_grad, b.counts, tag=p.index)  # type: ignore[arg-type]
+            for p, b in zip(parts, layout.buckets, strict=True)
+        ]  # fmt: skip
 
     def end_micro_batch(self) -> None:
         """Gradients keep summing in the full buffers."""
@@ -55,7 +58,7 @@ class FullReducer:
         if self.allreduce:
             self.comm.allreduce_inplace(buf, tag=index)
             return Pending.done(buf)
-        return self.comm.ireduce_scatter(buf, self.counts[index], tag=index)
+        return self.planned[index].start()
 
     def reduce(self, visit: Visit) -> None:
         n = len(self.parts)
@@ -125,6 +128,8 @@ class StreamReducer:
         self.full: Mapping[np.dtype, np.ndarray] | None = None
         self.full_mode: bool | None = None  # decided once, collectively
         self.make_full = make_full  # allocates ``full`` (stage 2)
+        #: (slot or -1 for ``full``, bucket, add) -> its prepared reduce-scatter
+        self.planned: dict[tuple[int, int, bool], Planned] = {}
 
     # -- hand-over ----------------------------------------------------------------
 
@@ -183,8 +188,13 @@ class StreamReducer:
         if self.segments is not None and slot is not None:
             self._shared_reduce(index, slot, shard, add)
             return
-        pending = self.comm.ireduce_scatter(buf, bucket.counts, None if add else shard, index)
-        self.inflight.append(_Reduction(index, pending, add, slot))
+        key = (-1 if slot is None else slot, index, add)
+        planned = self.planned.get(key)
+        if planned is None:
+            planned = self.planned[key] = self.comm.plan_reduce_scatter(
+                buf, bucket.counts, None if add else shard, index
+            )
+        self.inflight.append(_Reduction(index, planned.start(), add, slot))
 
     def _shared_reduce(self, index: int, slot: int, out: np.ndarray, add: bool) -> None:
         """Blocking: this rank sums its part of every rank's staging slot, in rank

@@ -75,6 +75,36 @@ class Pending:
         return bool(self.request.Test())
 
 
+class Planned:
+    """A nonblocking collective prepared once (buffers, counts and MPI arguments
+    checked and built) and started many times: what the optimizer runs per bucket and
+    per layer, so that a start costs the MPI call and the books, nothing more."""
+
+    __slots__ = (
+        "call", "code", "comm", "count", "key", "op", "received", "result", "sent", "tag",
+    )  # fmt: skip
+
+    def __init__(
+        self, comm: Comm, op: str, code: int, tag: int, count: int, result: np.ndarray,
+        call: Callable[[], MPI.Request], sent: int, received: int,
+    ) -> None:  # fmt: skip
+        self.comm, self.op, self.code, self.tag, self.count = comm, op, code, tag, count
+        self.result, self.call, self.sent, self.received = result, call, sent, received
+        self.key = "allgather" if op == "allgatherv" else op  # the traffic books' name
+
+    def start(self) -> Pending:
+        """Start it: recorded in the fingerprint and the traffic, then handed to MPI."""
+        comm = self.comm
+        comm.fingerprint.record(self.code, self.tag, self.count)
+        comm.seq += 1
+        entry = comm.traffic.get(self.key)
+        if entry is None:
+            entry = comm.traffic[self.key] = [0, 0]
+        entry[0] += self.sent
+        entry[1] += self.received
+        return Pending(self.call(), self.result, comm, self.op, comm.seq, self.tag)
+
+
 class Comm(FileIO, Agreement):
     """The communicator zerompi runs on, with the collectives it needs.
 
@@ -190,43 +220,64 @@ class Comm(FileIO, Agreement):
         )  # fmt: skip
         self.count_allgather(sum(counts), counts[self.rank], buf.itemsize)
 
-    def ireduce_scatter(
+    def plan_reduce_scatter(
         self, buf: np.ndarray, counts: Sequence[int], out: np.ndarray | None = None,
         tag: int = -1,
-    ) -> Pending:  # fmt: skip
-        """Start :meth:`reduce_scatter_inplace` of ``buf``; with ``out`` (this rank's
-        ``counts[rank]`` elements, not overlapping ``buf``) the shard lands there
-        instead, which saves a copy. ``Pending.wait()`` returns the shard. Neither
-        buffer may be touched until then."""
+    ) -> Planned:  # fmt: skip
+        """A reduce-scatter of ``buf`` checked and prepared once, started any number of
+        times (:meth:`Planned.start`): per start only the MPI call and the books.
+        Without ``out`` the shard lands at the top of ``buf`` (MPI_IN_PLACE); with
+        ``out`` (``counts[rank]`` elements, not overlapping ``buf``) it lands there,
+        which saves a copy."""
         if sum(counts) != buf.shape[0]:
             raise ValueError(f"counts {list(counts)} do not sum to the {buf.shape[0]} elements")
         mine = counts[self.rank]
+        mpi_type, recvcounts = _mpi_type(buf), list(counts)
         if out is None:
             out = buf[:mine]
             send: Any = MPI.IN_PLACE
-            recv: Any = [buf, _mpi_type(buf)]
+            recv: Any = [buf, mpi_type]
         else:
             if out.shape != (mine,) or out.dtype != buf.dtype:
                 raise ValueError(
                     f"out must be {mine} elements of {buf.dtype}, got {out.shape} {out.dtype}"
                 )
-            send, recv = [buf, _mpi_type(buf)], [out, _mpi_type(out)]
-        seq = self._start(_RS, tag, buf.shape[0])
-        request = self.mpi.Ireduce_scatter(send, recv, recvcounts=list(counts), op=MPI.SUM)
-        self.count_reduce_scatter(buf.shape[0], mine, buf.itemsize)
-        return Pending(request, out, self, "reduce_scatter", seq, tag)
+            send, recv = [buf, mpi_type], [out, mpi_type]
+        size = buf.itemsize
+        return Planned(
+            self, "reduce_scatter", _RS, tag, buf.shape[0], out,
+            lambda: self.mpi.Ireduce_scatter(send, recv, recvcounts=recvcounts, op=MPI.SUM),
+            (buf.shape[0] - mine) * size, (self.size - 1) * mine * size,
+        )  # fmt: skip
+
+    def plan_allgatherv(
+        self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int], tag: int = -1
+    ) -> Planned:
+        """An in-place allgatherv of ``buf`` checked and prepared once (see
+        :meth:`plan_reduce_scatter`)."""
+        self._check_fits(buf, counts, displs)
+        spec = [buf, list(counts), list(displs), _mpi_type(buf)]
+        mine, size = counts[self.rank], buf.itemsize
+        return Planned(
+            self, "allgatherv", _AG, tag, buf.shape[0], buf,
+            lambda: self.mpi.Iallgatherv(MPI.IN_PLACE, spec),
+            (self.size - 1) * mine * size, (sum(counts) - mine) * size,
+        )  # fmt: skip
+
+    def ireduce_scatter(
+        self, buf: np.ndarray, counts: Sequence[int], out: np.ndarray | None = None,
+        tag: int = -1,
+    ) -> Pending:  # fmt: skip
+        """Start :meth:`reduce_scatter_inplace` of ``buf`` (``out``: see
+        :meth:`plan_reduce_scatter`). ``Pending.wait()`` returns the shard. Neither
+        buffer may be touched until then."""
+        return self.plan_reduce_scatter(buf, counts, out, tag).start()
 
     def iallgatherv(
         self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int], tag: int = -1
     ) -> Pending:
         """Start :meth:`allgatherv_inplace`; ``buf`` is complete after ``wait()``."""
-        self._check_fits(buf, counts, displs)
-        seq = self._start(_AG, tag, buf.shape[0])
-        request = self.mpi.Iallgatherv(
-            MPI.IN_PLACE, [buf, list(counts), list(displs), _mpi_type(buf)]
-        )
-        self.count_allgather(sum(counts), counts[self.rank], buf.itemsize)
-        return Pending(request, buf, self, "allgatherv", seq, tag)
+        return self.plan_allgatherv(buf, counts, displs, tag).start()
 
     def iallreduce(self, buf: np.ndarray, tag: int = -1) -> Pending:
         """Start :meth:`allreduce_inplace`; ``buf`` holds the sum after ``wait()``."""

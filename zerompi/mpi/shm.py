@@ -127,15 +127,22 @@ class Heartbeat:
         self.ranks = ranks
         self.ops = ops
         self._rows = {rank: segment.peers[i] for i, rank in enumerate(ranks)}
-        self._mine = segment.local
+        self._mine = memoryview(segment.local).cast("B").cast("q")  # fast item writes
         self._codes = {op: i for i, op in enumerate(ops)}
 
-    def mark(self, seq: int, op: str, step: int, waiting: bool) -> None:
+    def arrive(self, seq: int, op: str, step: int) -> None:
+        """This rank starts waiting in collective call ``seq``."""
         row = self._mine
         row[_SEQ] = seq
         row[_OP] = self._codes.get(op, -1)
         row[_STEP] = step
-        row[_WAITING] = waiting
+        row[_TIME] = time.monotonic_ns()
+        row[_WAITING] = 1
+
+    def depart(self) -> None:
+        """This rank's wait is over (it runs its own code again)."""
+        row = self._mine
+        row[_WAITING] = 0
         row[_TIME] = time.monotonic_ns()
 
     def report(self, me: int, seq: int) -> list[str]:

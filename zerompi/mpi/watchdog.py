@@ -100,7 +100,7 @@ class Watchdog:
         self.current = Wait(comm, op, seq, tag, timeout)
         heartbeat = comm.heartbeat
         if heartbeat is not None:
-            heartbeat.mark(seq, op, comm.step, waiting=True)
+            heartbeat.arrive(seq, op, comm.step)
         if self._thread is None or timeout / 8 < self._poll:
             self._poll = max(0.02, min(1.0, timeout / 8))
             if self._thread is None:
@@ -116,7 +116,7 @@ class Watchdog:
             self.current = None
             heartbeat = wait.comm.heartbeat
             if heartbeat is not None:
-                heartbeat.mark(wait.seq, wait.op, wait.comm.step, waiting=False)
+                heartbeat.depart()
 
     def _run(self) -> None:
         while True:
