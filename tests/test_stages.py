@@ -1,7 +1,7 @@
 """The four stages' streaming semantics, against the unsharded reference.
 
 What differs between stages is what a rank keeps and when it communicates (see
-``zerompi.engine``); what must not differ is the result. These tests drive the
+``zerompi.plan``, ``zerompi.reducer``); what must not differ is the result. These tests drive the
 optimizer the way a model does, through ``opt.gathered`` / ``opt.gradients``, in
 orders a backward pass may take: a bucket handed over in pieces with other buckets
 in between, one parameter handed over twice, a group never handed over. They also
