@@ -18,8 +18,10 @@ values after the previous step) and with ``opt.full_params()``.
 Gradients are multiples of 1/8 with a sign that depends only on the element, so the
 sum over ranks is exact whatever order MPI adds them in and never cancels to (nearly)
 zero: Adam's update ``m / (sqrt(v) + eps)`` turns a rounding residue of 1e-9 where the
-exact value is 0 into a step of order ``lr``, which no tolerance can absorb. One test
-uses generic random gradients instead.
+exact value is 0 into a step of order ``lr``, which no tolerance can absorb. With these
+gradients every stage equals the reference bit for bit at every world size (the sum
+is exact, and the optimizer then computes what the reference computes, operation by
+operation). One test uses generic random gradients instead, within a tolerance.
 
 Verdicts that could differ between ranks are agreed on with the collective helpers;
 each test makes the same number of them on every rank, whatever its sub-communicator,
@@ -264,7 +266,7 @@ def train(
     backward pass gathers them, and after the last step), Adam moments where
     ``check_state(step)`` and after the last step."""
     comm = opt.comm
-    exact = comm.size == 1
+    exact = exact_grads  # exactly representable sums: bit for bit at every world size
     problems = []
     for step in range(steps):
         seen: dict[str, np.ndarray] | None = {} if opt.stage == 3 else None
