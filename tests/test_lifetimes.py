@@ -25,7 +25,7 @@ import pytest
 from helpers import assert_all
 from mpi4py import MPI
 
-import zerompi.optimizer
+import zerompi.handover
 from zerompi import ZeroOptimizer
 from zerompi.mpi import shm
 from zerompi.reference import ReferenceAdam
@@ -87,7 +87,7 @@ def test_debug_poisons_a_released_stage_3_gather(
 ) -> None:
     """An array kept past its ``gathered`` block shows the next layer's values; with
     ``ZEROMPI_DEBUG=1`` it shows NaN instead, so the mistake cannot go unnoticed."""
-    monkeypatch.setattr(zerompi.optimizer, "DEBUG", True)
+    monkeypatch.setattr(zerompi.handover, "DEBUG", True)
     opt = ZeroOptimizer(_model(), comm=comm, stage=3)
     with opt.gathered("a") as p:
         kept = p["a.w"]

@@ -23,7 +23,6 @@ from mpi4py import MPI
 
 from zerompi import ZeroOptimizer
 from zerompi.buffers import CATEGORIES
-from zerompi.partition import DEFAULT_BUCKET_ELEMS
 from zerompi.memory import (
     estimate,
     estimate_max,
@@ -32,7 +31,7 @@ from zerompi.memory import (
     mlp_specs,
     paper_bytes,
 )
-from zerompi.partition import STAGES
+from zerompi.partition import DEFAULT_BUCKET_ELEMS, STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)

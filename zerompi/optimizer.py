@@ -28,7 +28,6 @@ gradients at ``1/W``).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -37,8 +36,9 @@ from mpi4py import MPI
 
 from .adam import AdamConfig, adam_step, grad_stats
 from .arrays import FlatArrays, check_failure_settings, check_params
-from .buffers import OVERLAP_SLOTS, BufferPool, buffer_plan, full_grads_plan
+from .buffers import OVERLAP_SLOTS, BufferPool, buffer_plan
 from .gather import MPIGather, NoGather, SharedGather
+from .handover import HandOver
 from .mpi.agreement import CollectiveError, first_difference
 from .mpi.collectives import Comm
 from .mpi.launch import check_world, install_abort_hook
@@ -55,35 +55,8 @@ __all__ = ["PHASES", "ZeroOptimizer"]
 #: MPI calls). ~1 MiB of float32: far above the per-call cost, well below a bucket.
 ADAM_CHUNK = 1 << 18
 
-#: ``ZEROMPI_DEBUG=1``: fill a stage-3 gather buffer with NaN when its block ends, so
-#: an array kept past its ``gathered`` block shows NaN instead of the next layer.
-DEBUG = os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0")
 
-
-class Block:
-    """What ``with opt.gathered(...)`` / ``with opt.gradients(...)`` enter: the arrays,
-    what to do on any exit (``always``) and on a normal one (``on_exit``). A plain
-    class, not a generator: it is entered three times per layer and step."""
-
-    __slots__ = ("always", "on_exit", "views")
-
-    def __init__(
-        self, views: Mapping[str, np.ndarray], on_exit: Callable[[], None] | None = None,
-        always: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
-        self.views, self.on_exit, self.always = views, on_exit, always
-
-    def __enter__(self) -> Mapping[str, np.ndarray]:
-        return self.views
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if self.always is not None:
-            self.always()
-        if exc_type is None and self.on_exit is not None:
-            self.on_exit()
-
-
-class ZeroOptimizer(OptimizerState):
+class ZeroOptimizer(HandOver, OptimizerState):
     """Sharded Adam/AdamW (stage 0 baseline, ZeRO stages 1-3) over an MPI communicator.
 
     Building one is collective: the layout (names, order, shapes, dtypes), stage and
@@ -294,182 +267,12 @@ class ZeroOptimizer(OptimizerState):
                 error = exc
         self.comm.agree(error)
 
-    def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
-        spec = self._specs[name]
-        return flat[spec.dtype][spec.offset : spec.offset + spec.size].reshape(spec.shape)
-
-    def _bucket_view(self, buf: np.ndarray, bucket: object, name: str) -> np.ndarray:
-        spec = self._specs[name]
-        lo = spec.offset - bucket.start  # type: ignore[attr-defined]
-        return buf[lo : lo + spec.size].reshape(spec.shape)
-
     def _describe(self, index: int) -> str:
         """Bucket ``index`` in words, for error messages and the watchdog."""
         bucket = self.layout.buckets[index]
         names = ", ".join(bucket.names[:3]) + (", ..." if len(bucket.names) > 3 else "")
         return f"bucket {index} [{names}]"
 
-    def _resolve(self, names: tuple[str, ...]) -> list[str]:
-        """Parameter names for a mix of parameter and group names."""
-        out: list[str] = []
-        for name in names:
-            if name in self._specs:
-                out.append(name)
-            elif name in self.layout.groups:
-                out.extend(self.layout.groups[name])
-            else:
-                raise KeyError(f"{name!r} is neither a parameter nor a group of this model")
-        return out
-
-    def _single_bucket(self, names: list[str], what: str) -> int:
-        bucket_of = self.layout.bucket_of
-        index = bucket_of[names[0]]
-        if any(bucket_of[n] != index for n in names):
-            count = len({bucket_of[n] for n in names})
-            raise ValueError(
-                f"opt.{what}() takes the parameters of one bucket at a time in stage "
-                f"{self.stage}; {names} span {count} buckets"
-            )
-        return index
-
-    def _live(self, what: str) -> None:
-        """Refuse training calls after ``close()``, before touching any state."""
-        if self._closed:
-            raise RuntimeError(
-                f"opt.{what}() after close(): this optimizer was closed (its staging and "
-                "shared-memory buffers are released); its parameters can still be read "
-                "and saved, not trained"
-            )
-
-    # -- parameters and gradients ---------------------------------------------------
-
-    @property
-    def params(self) -> FlatArrays:
-        """Name -> full parameter (a view into the flat buffer). Stages 0-2 only."""
-        if not self.plan.full_params:
-            raise AttributeError(
-                "stage 3 keeps only parameter shards: read parameters inside "
-                "`with opt.gathered(names) as p`, or copy them all with opt.full_params()"
-            )
-        return self._params
-
-    @property
-    def grads(self) -> FlatArrays:
-        """Name -> full-size gradient view to add into. Stages 0-2; in stage 2 this
-        allocates a full staging buffer on first use, which must come before the first
-        ``accumulate()``/``step()`` on that rank: the ranks agree once, then, whether
-        to reduce it (hand gradients over with ``opt.gradients(names)`` instead to
-        keep them at ``1/W``)."""
-        if self.stage == 3:
-            raise AttributeError(
-                "stage 3 has no full gradient: add gradients inside "
-                "`with opt.gradients(names) as g`"
-            )
-        if self.stage == 2 and self.reducer.full is None:  # type: ignore[union-attr]
-            reducer = self.reducer
-            assert isinstance(reducer, StreamReducer)
-            if reducer.full_mode is False:
-                raise RuntimeError(
-                    "stage 2: opt.grads used for the first time after the first "
-                    "accumulate()/step(): the ranks agreed then not to reduce full "
-                    "gradients. Touch opt.grads before the first step on any rank that "
-                    "uses it, or hand gradients over with opt.gradients(names)"
-                )
-            reducer.full = self._full_grads()
-        return self._grads
-
-    def _full_grads(self) -> dict[np.dtype, np.ndarray]:
-        """Stage 2's full gradient buffers (``opt.grads``), allocated on first use."""
-        full = {
-            buf.dtype: self.pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
-            for buf in full_grads_plan(self.layout)
-        }
-        self._grads = FlatArrays({n: self._view(full, n) for n in self._order}, "gradient")
-        return full
-
-    def gathered(self, *names: str) -> Block:
-        """``with opt.gathered(*names) as p``: the full parameters ``names`` (parameter
-        or group names) for the duration of the block. Stage 3 gathers their bucket
-        with ``Allgatherv`` into the gather buffer (collective: every rank must enter
-        it) and releases it on exit; the arrays must not be used after the block
-        (``ZEROMPI_DEBUG=1`` fills them with NaN on exit). Stages 0-2: the persistent
-        views."""
-        self._live("gathered")
-        index, resolved = self._lookup(names, "gathered")
-        if self.plan.full_params:
-            return Block({n: self._params[n] for n in resolved})
-        if self._gathered is not None:
-            raise RuntimeError(
-                "opt.gathered() blocks cannot nest in stage 3: one layer's parameters are "
-                "gathered at a time"
-            )
-        if index < 0:
-            self._single_bucket(resolved, "gathered")  # raises: one bucket at a time
-        start = time.perf_counter()
-        own, planned = self._gather_plans[index]
-        np.copyto(own, self.parts[index].param)
-        planned.start().wait()
-        self.timings["allgather"] += time.perf_counter() - start
-        self._gathered = index
-        views = self._views(self._gather_views, index, self._gather_bufs[index], resolved)
-        return Block(views, always=self._release_gathered)
-
-    def _release_gathered(self) -> None:
-        if DEBUG and self._gathered is not None:
-            self._gather_bufs[self._gathered].fill(np.nan)
-        self._gathered = None
-
-    def gradients(self, *names: str) -> Block:
-        """``with opt.gradients(*names) as g``: arrays to *add* the gradients of
-        ``names`` into. On a normal exit they are handed over: in stages 2-3, once
-        every parameter of a bucket has been handed over in this micro-batch, the
-        bucket is reduce-scattered (collective) and only this rank's shard kept.
-        Stages 0-1: views into the full gradient buffer."""
-        self._live("gradients")
-        index, resolved = self._lookup(names, "gradients")
-        if self.plan.full_grads:
-            return Block({n: self._grads[n] for n in resolved})
-        if index < 0:
-            self._single_bucket(resolved, "gradients")  # raises: one bucket at a time
-        reducer = self.reducer
-        assert isinstance(reducer, StreamReducer)
-        start = time.perf_counter()
-        buf = reducer.begin(index)
-        self.timings["reduce_scatter"] += time.perf_counter() - start
-        views = self._views(self._staging_views[reducer.slot], index, buf, resolved)
-        return Block(views, on_exit=lambda: self._handed_over(resolved))
-
-    def _handed_over(self, names: list[str]) -> None:
-        start = time.perf_counter()
-        self.reducer.handed_over(names)  # type: ignore[union-attr]
-        self.timings["reduce_scatter"] += time.perf_counter() - start
-
-    def _views(
-        self, cache: list[dict[str, np.ndarray] | None], index: int, buf: np.ndarray,
-        names: Sequence[str],
-    ) -> Mapping[str, np.ndarray]:  # fmt: skip
-        """Name -> view of ``buf`` (bucket ``index``'s buffer) for ``names``; the views
-        of a whole bucket are made once and kept in ``cache``."""
-        bucket = self.layout.buckets[index]
-        if len(names) != len(bucket.names):
-            return {n: self._bucket_view(buf, bucket, n) for n in names}
-        views = cache[index]
-        if views is None:
-            views = cache[index] = {n: self._bucket_view(buf, bucket, n) for n in names}
-        return dict(views)
-
-    def _lookup(self, names: tuple[str, ...], what: str) -> tuple[int, list[str]]:
-        """The bucket and parameter names of ``names`` (parameter or group names),
-        cached: the hand-over of a layer costs O(1), not O(model)."""
-        found = self._lookups.get(names)
-        if found is None:
-            resolved = self._resolve(names)
-            indices = {self.layout.bucket_of[n] for n in resolved}
-            found = (indices.pop() if len(indices) == 1 else -1, resolved)
-            self._lookups[names] = found
-        return found
-
-    # -- training --------------------------------------------------------------
 
     def zero_grad(self) -> None:
         """Discard every gradient added or accumulated since the last step."""
