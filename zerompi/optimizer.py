@@ -39,7 +39,7 @@ from .arrays import FlatArrays, check_failure_settings, check_params
 from .buffers import OVERLAP_SLOTS, BufferPool, buffer_plan
 from .gather import MPIGather, NoGather, SharedGather
 from .handover import HandOver
-from .mpi.agreement import CollectiveError, first_difference
+from .mpi.agreement import CollectiveError, agree_step
 from .mpi.collectives import Comm
 from .mpi.launch import check_world, install_abort_hook
 from .mpi.watchdog import resolve_timeout
@@ -344,38 +344,13 @@ class ZeroOptimizer(HandOver, OptimizerState):
         return stats
 
     def _agree(self, stats: np.ndarray) -> tuple[float, int]:
-        """The step's one small collective: every rank's statistics, step and
-        micro-batch counts and collective fingerprint, summed in rank order so every
-        rank reaches the same decision. Raises :class:`CollectiveError` on every rank
-        when the ranks disagree (the gradients are discarded first)."""
-        comm = self.comm
-        rows = comm.allgather_float64(stats, op="step agreement")
-        log = comm.fingerprint.log
-        comm.fingerprint.reset()
-        problem = None
-        for column, what in ((2, "step count"), (3, "number of micro-batches")):
-            if problem is None and (rows[:, column] != rows[0, column]).any():
-                r = int(np.argmax(rows[:, column] != rows[0, column]))
-                problem = (
-                    f"the {what} differs between ranks: rank 0 has {int(rows[0, column])}, "
-                    f"rank {r} has {int(rows[r, column])} (every rank must call step() "
-                    "and accumulate() alike)"
-                )
-        if problem is None and (rows[:, 4:7] != rows[0, 4:7]).any():
-            where = first_difference(comm.allgather(log), self._describe)
-            problem = (
-                f"the ranks' collective calls differ in step {self.step_count + 1}: "
-                f"{where}. Every rank must hand over and gather the same buckets in the "
-                "same order"
-            )
-        if problem is not None:
-            self._discard()
-            raise CollectiveError(f"{problem}; this step's gradients were discarded")
-        nonfinite = int(math.fsum(rows[:, 0]))
+        """The step's one small collective (:func:`agree_step`); on disagreement the
+        gradients are discarded and every rank raises :class:`CollectiveError`."""
         try:
-            sumsq = math.fsum(rows[:, 1])  # the same on every rank
-        except (OverflowError, ValueError):  # inf - inf, or finite terms overflowing
-            sumsq = math.inf if not np.isnan(rows[:, 1]).any() else math.nan
+            nonfinite, sumsq = agree_step(self.comm, stats, self._describe, self.step_count + 1)
+        except CollectiveError:
+            self._discard()
+            raise
         norm = math.sqrt(sumsq) / float(self.comm.size * self._micro_batches)
         self.last_grad_norm = norm
         return norm, nonfinite

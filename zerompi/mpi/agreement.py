@@ -13,9 +13,11 @@ differs and the ranks on each side.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 
@@ -85,6 +87,42 @@ def first_difference(
             ]
             return f"collective call #{k + 1} differs: " + "; ".join(parts)
     return "the call logs agree but their fingerprints differ"
+
+
+def agree_step(
+    comm: Any, row: np.ndarray, describe: Callable[[int], str], step: int
+) -> tuple[int, float]:
+    """Collective: the step's agreement. ``row`` is this rank's ``[non-finite count,
+    sum of squares, step count, micro-batches, *fingerprint words]``; every rank gets
+    every row and sums them in rank order, so all reach the same decision. Returns
+    ``(non-finite elements, sum of squares)`` over all ranks, or raises
+    :class:`CollectiveError` on every rank, naming what differs (for different calls:
+    the first one, after one more exchange of the call logs, on this failure path
+    only)."""
+    rows = comm.allgather_float64(row, op="step agreement")
+    log = comm.fingerprint.log
+    comm.fingerprint.reset()
+    for column, what in ((2, "step count"), (3, "number of micro-batches")):
+        if (rows[:, column] != rows[0, column]).any():
+            r = int(np.argmax(rows[:, column] != rows[0, column]))
+            raise CollectiveError(
+                f"the {what} differs between ranks: rank 0 has {int(rows[0, column])}, "
+                f"rank {r} has {int(rows[r, column])} (every rank must call step() and "
+                "accumulate() alike); this step's gradients were discarded"
+            )
+    if (rows[:, 4:] != rows[0, 4:]).any():
+        where = first_difference(comm.allgather(log), describe)
+        raise CollectiveError(
+            f"the ranks' collective calls differ in step {step}: {where}. Every rank must "
+            "hand over and gather the same buckets in the same order; this step's "
+            "gradients were discarded"
+        )
+    nonfinite = int(math.fsum(rows[:, 0]))
+    try:
+        sumsq = math.fsum(rows[:, 1])  # the same on every rank
+    except (OverflowError, ValueError):  # inf - inf, or finite terms overflowing
+        sumsq = math.inf if not np.isnan(rows[:, 1]).any() else math.nan
+    return nonfinite, sumsq
 
 
 class Agreement:
