@@ -64,9 +64,13 @@ def pytest_configure(config: pytest.Config) -> None:
     standard = config.pluginmanager.getplugin("terminalreporter")
     if standard is None:  # -p no:terminal
         return
+    loud = config.get_terminal_writer()  # the standard reporter's, on stdout
     _QUIET = io.StringIO()
     config.pluginmanager.unregister(standard)
     config.pluginmanager.register(pytest.TerminalReporter(config, _QUIET), "terminalreporter")
+    # What is written through the config's writer rather than the reporter still shows:
+    # pytest-timeout's stack dump before it ends the process (os._exit: no report after).
+    config.get_terminal_writer = lambda: loud  # type: ignore[method-assign]
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
