@@ -19,6 +19,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ..mpi.launch import mark_raised_on_every_rank
 from .format import (
     ALIGN,
     FORMAT,
@@ -73,7 +74,10 @@ def save(opt: Any, path: str | os.PathLike) -> None:
     and :func:`zerompi.checkpoint.collective.save`)."""
     from . import collective
 
-    collective.save(opt, path)
+    try:
+        collective.save(opt, path)
+    except CheckpointError as exc:  # a collective verdict: raised alike on every rank
+        raise mark_raised_on_every_rank(exc) from None
 
 
 def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
@@ -81,7 +85,10 @@ def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
     ``ZeroOptimizer.load`` and :func:`zerompi.checkpoint.collective.load`)."""
     from . import collective
 
-    return collective.load(opt, path)
+    try:
+        return collective.load(opt, path)
+    except CheckpointError as exc:  # a collective verdict: raised alike on every rank
+        raise mark_raised_on_every_rank(exc) from None
 
 
 def check_compatible(opt: Any, header: dict[str, Any], path: str) -> None:

@@ -15,9 +15,9 @@ retrains the same model unsharded in rank 0 alone, with
 parameters and every step's gradient norm: the exit status is 1 on every rank if
 they differ by more than a tolerance for the dtype.
 
-An exception on one rank prints ``zerompi.driver: rank R failed: ...`` with its
-traceback and aborts the whole MPI job, so that ``mpiexec`` never hangs waiting for
-the other ranks.
+An exception on one rank reaches zerompi's abort hook: ``zerompi: rank R of W
+failed: ...`` and its traceback (once, from rank 0, when every rank raised it), then
+the whole MPI job is aborted, so that ``mpiexec`` never hangs waiting for the others.
 
 Modules: :mod:`.cli` (options, :func:`main`), :mod:`.training` (the loop,
 checkpoints), :mod:`.verify` (the reference check), :mod:`.run` (one run, its

@@ -4,8 +4,6 @@ and :func:`main`, which aborts the whole MPI job when one rank fails."""
 from __future__ import annotations
 
 import argparse
-import sys
-import traceback
 from collections.abc import Sequence
 
 from ..mpi.collectives import Comm
@@ -216,20 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .run import run
 
     comm = Comm()
-    try:
-        args = parse_args(argv, comm.rank)
-        problem = prepare_outputs(comm, [args.json])
-        if problem:
-            build_parser(comm.rank).error(f"--json: {problem}")
-        return run(args, comm)
-    except Exception as exc:
-        if comm.size == 1:
-            raise
-        trace = traceback.format_exc()
-        print(
-            f"zerompi.driver: rank {comm.rank} failed: {type(exc).__name__}: {exc}\n{trace}",
-            file=sys.stderr,
-            flush=True,
-        )
-        comm.abort(1)
-        raise  # not reached
+    args = parse_args(argv, comm.rank)
+    problem = prepare_outputs(comm, [args.json])
+    if problem:
+        build_parser(comm.rank).error(f"--json: {problem}")
+    # An exception from here on reaches zerompi's abort hook (installed at import):
+    # one report (from rank 0 alone when every rank raised it), then MPI_Abort.
+    return run(args, comm)

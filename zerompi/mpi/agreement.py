@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .launch import mark_raised_on_every_rank
+
 
 class CollectiveError(ValueError):
     """Raised identically on every rank when validation failed on any rank, or when
@@ -158,7 +160,7 @@ class Agreement:
         if others:
             where += f"; {others} other rank(s) failed differently"
         exc_type = {"TypeError": TypeError}.get(kind, CollectiveError)
-        raise exc_type(f"{message} ({where})")
+        raise mark_raised_on_every_rank(exc_type(f"{message} ({where})"))
 
     def check_same(self, value: Any, what: str) -> None:
         """Collective: raise on every rank unless ``value`` is equal on all ranks.
