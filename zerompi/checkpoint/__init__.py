@@ -19,7 +19,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..mpi.launch import mark_raised_on_every_rank
 from .format import (
     ALIGN,
     FORMAT,
@@ -74,10 +73,7 @@ def save(opt: Any, path: str | os.PathLike) -> None:
     and :func:`zerompi.checkpoint.collective.save`)."""
     from . import collective
 
-    try:
-        collective.save(opt, path)
-    except CheckpointError as exc:  # a collective verdict: raised alike on every rank
-        raise mark_raised_on_every_rank(exc) from None
+    collective.save(opt, path)
 
 
 def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
@@ -85,10 +81,7 @@ def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
     ``ZeroOptimizer.load`` and :func:`zerompi.checkpoint.collective.load`)."""
     from . import collective
 
-    try:
-        return collective.load(opt, path)
-    except CheckpointError as exc:  # a collective verdict: raised alike on every rank
-        raise mark_raised_on_every_rank(exc) from None
+    return collective.load(opt, path)
 
 
 def check_compatible(opt: Any, header: dict[str, Any], path: str) -> None:

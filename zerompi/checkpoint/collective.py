@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..mpi.launch import mark_raised_on_every_rank
 from .format import (
     MASK,
     CheckpointError,
@@ -81,7 +82,7 @@ def _optimizer_entry(opt: Any) -> dict[str, Any]:
     }
 
 
-def save(opt: Any, path: str | os.PathLike) -> None:
+def _save(opt: Any, path: str | os.PathLike) -> None:
     """Collective: write ``opt``'s full state to ``path`` (see ``ZeroOptimizer.save``)."""
     comm = opt.comm
     path = os.fspath(path)
@@ -203,7 +204,7 @@ def check_compatible(opt: Any, header: dict[str, Any], path: str) -> None:
             raise CheckpointError(f"{path}: section {name} is missing or has the wrong size")
 
 
-def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
+def _load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
     """Collective: restore ``opt``'s state from ``path`` (see ``ZeroOptimizer.load``)."""
     comm = opt.comm
     path = os.fspath(path)
@@ -255,3 +256,22 @@ def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
     optimizer = header["optimizer"]
     opt.set_counters(int(optimizer["step"]), int(optimizer.get("skipped_steps", 0)))
     return header
+
+
+def save(opt: Any, path: str | os.PathLike) -> None:
+    """Collective: write ``opt``'s full state to ``path`` (see ``ZeroOptimizer.save``).
+    A :class:`CheckpointError` is a collective verdict, raised alike on every rank:
+    marked so, the abort hook prints it once."""
+    try:
+        _save(opt, path)
+    except CheckpointError as exc:
+        raise mark_raised_on_every_rank(exc) from None
+
+
+def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """Collective: restore ``opt``'s state from ``path`` (see ``ZeroOptimizer.load``);
+    errors as :func:`save`."""
+    try:
+        return _load(opt, path)
+    except CheckpointError as exc:
+        raise mark_raised_on_every_rank(exc) from None
