@@ -35,13 +35,13 @@ class Block:
     what to do on any exit (``always``) and on a normal one (``on_exit``). A plain
     class, not a generator: it is entered three times per layer and step."""
 
-    __slots__ = ("always", "on_exit", "views")
+    __slots__ = ("always", "arg", "on_exit", "views")
 
     def __init__(
-        self, views: Mapping[str, np.ndarray], on_exit: Callable[[], None] | None = None,
-        always: Callable[[], None] | None = None,
+        self, views: Mapping[str, np.ndarray], on_exit: Callable[[Any], None] | None = None,
+        arg: Any = None, always: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
-        self.views, self.on_exit, self.always = views, on_exit, always
+        self.views, self.on_exit, self.arg, self.always = views, on_exit, arg, always
 
     def __enter__(self) -> Mapping[str, np.ndarray]:
         return self.views
@@ -50,7 +50,7 @@ class Block:
         if self.always is not None:
             self.always()
         if exc_type is None and self.on_exit is not None:
-            self.on_exit()
+            self.on_exit(self.arg)
 
 
 
@@ -211,7 +211,7 @@ class HandOver:
         buf = reducer.begin(index)
         self.timings["reduce_scatter"] += time.perf_counter() - start
         views = self._views(self._staging_views[reducer.slot], index, buf, resolved)
-        return Block(views, on_exit=lambda: self._handed_over(resolved))
+        return Block(views, self._handed_over, resolved)
 
     def _handed_over(self, names: list[str]) -> None:
         start = time.perf_counter()

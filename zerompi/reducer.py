@@ -232,8 +232,11 @@ class StreamReducer:
 
     def _release(self, slot: int) -> None:
         """Wait until no started reduction still reads staging slot ``slot``."""
-        last = max((i for i, r in enumerate(self.inflight) if r.slot == slot), default=-1)
-        self._complete(last + 1)
+        inflight = self.inflight
+        for i in range(len(inflight) - 1, -1, -1):  # the newest that reads it, and older
+            if inflight[i].slot == slot:
+                self._complete(i + 1)
+                return
 
     def reduce(self, visit: Visit) -> None:
         self._complete(len(self.inflight))

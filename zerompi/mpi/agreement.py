@@ -33,6 +33,13 @@ OPS = ("reduce_scatter", "allgatherv", "allreduce", "bcast")
 OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 _MASK26 = (1 << 26) - 1
+_MASK64 = (1 << 64) - 1
+_MULT = 0x100000001B3  # FNV-1a's 64-bit prime: an order-sensitive running combination
+
+
+def token(op: int, tag: int, count: int) -> int:
+    """One call as a 64-bit number, the same in every process (no string hashing)."""
+    return hash((op, tag, count)) & _MASK64
 
 
 class Fingerprint:
@@ -51,9 +58,14 @@ class Fingerprint:
 
     def record(self, op: int, tag: int, count: int) -> None:
         """One collective call: operation code, bucket (or -1), elements."""
-        self.value = hash((self.value, op, tag, count))
+        self.add((op, tag, count), token(op, tag, count))
+
+    def add(self, call: tuple[int, int, int], token: int) -> None:
+        """:meth:`record` with ``call``'s :func:`token` computed beforehand (a
+        prepared collective does it once)."""
+        self.value = (self.value * _MULT + token) & _MASK64
         self.calls += 1
-        self.log.append((op, tag, count))
+        self.log.append(call)
 
     def words(self) -> tuple[float, float, float]:
         """``(calls, high, low)``: the call count and 52 bits of the hash as three

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .agreement import OP_CODE, Agreement, CollectiveError, Fingerprint
+from .agreement import OP_CODE, Agreement, CollectiveError, Fingerprint, token
 from .io import MPI_TYPES, FileIO
 from .launch import abort_world
 from .watchdog import WATCHDOG, resolve_timeout
@@ -81,28 +81,37 @@ class Planned:
     per layer, so that a start costs the MPI call and the books, nothing more."""
 
     __slots__ = (
-        "call", "code", "comm", "count", "key", "op", "received", "result", "sent", "tag",
+        "call", "calldesc", "comm", "key", "op", "pending", "received", "sent", "tag", "token",
     )  # fmt: skip
 
     def __init__(
         self, comm: Comm, op: str, code: int, tag: int, count: int, result: np.ndarray,
         call: Callable[[], MPI.Request], sent: int, received: int,
     ) -> None:  # fmt: skip
-        self.comm, self.op, self.code, self.tag, self.count = comm, op, code, tag, count
-        self.result, self.call, self.sent, self.received = result, call, sent, received
+        self.comm, self.op, self.tag, self.call = comm, op, tag, call
+        self.sent, self.received = sent, received
+        self.calldesc = (code, tag, count)  # what the fingerprint records
+        self.token = token(code, tag, count)
         self.key = "allgather" if op == "allgatherv" else op  # the traffic books' name
+        #: One Pending, reused by every start: a planned collective is never started
+        #: again while in flight (checked: a started request is not null).
+        self.pending = Pending(MPI.REQUEST_NULL, result, comm, op, 0, tag)
 
     def start(self) -> Pending:
         """Start it: recorded in the fingerprint and the traffic, then handed to MPI."""
-        comm = self.comm
-        comm.fingerprint.record(self.code, self.tag, self.count)
+        comm, pending = self.comm, self.pending
+        if pending.request:
+            raise RuntimeError(f"{self.op} of bucket {self.tag} started while still in flight")
+        comm.fingerprint.add(self.calldesc, self.token)
         comm.seq += 1
         entry = comm.traffic.get(self.key)
         if entry is None:
             entry = comm.traffic[self.key] = [0, 0]
         entry[0] += self.sent
         entry[1] += self.received
-        return Pending(self.call(), self.result, comm, self.op, comm.seq, self.tag)
+        pending.request = self.call()
+        pending.seq = comm.seq
+        return pending
 
 
 class Comm(FileIO, Agreement):

@@ -130,13 +130,14 @@ class Heartbeat:
         self._mine = memoryview(segment.local).cast("B").cast("q")  # fast item writes
         self._codes = {op: i for i, op in enumerate(ops)}
 
-    def arrive(self, seq: int, op: str, step: int) -> None:
-        """This rank starts waiting in collective call ``seq``."""
+    def arrive(self, seq: int, op: str, step: int, now_ns: int) -> None:
+        """This rank starts waiting in collective call ``seq`` (at ``now_ns``,
+        ``time.monotonic_ns()``)."""
         row = self._mine
         row[_SEQ] = seq
         row[_OP] = self._codes.get(op, -1)
         row[_STEP] = step
-        row[_TIME] = time.monotonic_ns()
+        row[_TIME] = now_ns
         row[_WAITING] = 1
 
     def depart(self) -> None:

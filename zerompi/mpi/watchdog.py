@@ -66,26 +66,15 @@ def resolve_timeout(value: object = None) -> float | None:
     return seconds or None
 
 
-class Wait:
-    """What one rank waits in: enough to say so without anyone else's help."""
-
-    __slots__ = ("comm", "deadline", "op", "seq", "since", "tag", "timeout")
-
-    def __init__(self, comm: Any, op: str, seq: int, tag: int, timeout: float) -> None:
-        self.comm = comm
-        self.op = op
-        self.seq = seq
-        self.tag = tag
-        self.timeout = timeout
-        self.since = time.monotonic()
-        self.deadline = self.since + timeout
-
-
 class Watchdog:
-    """The process's watchdog (see the module docstring); use :data:`WATCHDOG`."""
+    """The process's watchdog (see the module docstring); use :data:`WATCHDOG`.
+
+    ``current`` is ``(comm, op, seq, tag, since_ns, deadline_ns)`` of the wait in
+    progress, or ``None``: one tuple, replaced whole, so the thread always reads a
+    consistent one."""
 
     def __init__(self) -> None:
-        self.current: Wait | None = None
+        self.current: tuple[Any, str, int, int, int, int] | None = None
         self._thread: threading.Thread | None = None
         self._poll = 1.0
         self._fired = False
@@ -97,24 +86,26 @@ class Watchdog:
         timeout = comm.timeout
         if timeout is None or comm.size == 1:
             return
-        self.current = Wait(comm, op, seq, tag, timeout)
+        now = time.monotonic_ns()
+        self.current = (comm, op, seq, tag, now, now + int(timeout * 1e9))
         heartbeat = comm.heartbeat
         if heartbeat is not None:
-            heartbeat.arrive(seq, op, comm.step)
-        if self._thread is None or timeout / 8 < self._poll:
-            self._poll = max(0.02, min(1.0, timeout / 8))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="zerompi-watchdog", daemon=True
-                )
-                self._thread.start()
+            heartbeat.arrive(seq, op, comm.step, now)
+        if timeout < self._poll * 8:
+            self._arm(timeout)
+
+    def _arm(self, timeout: float) -> None:
+        self._poll = max(0.02, min(1.0, timeout / 8))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zerompi-watchdog", daemon=True)
+            self._thread.start()
 
     def leave(self) -> None:
         """The wait begun by :meth:`enter` is over."""
         wait = self.current
         if wait is not None:
             self.current = None
-            heartbeat = wait.comm.heartbeat
+            heartbeat = wait[0].heartbeat
             if heartbeat is not None:
                 heartbeat.depart()
 
@@ -122,25 +113,23 @@ class Watchdog:
         while True:
             time.sleep(self._poll)
             wait = self.current
-            if wait is not None and time.monotonic() > wait.deadline and not self._fired:
+            if wait is not None and time.monotonic_ns() > wait[5] and not self._fired:
                 self._fired = True
                 self._fire(wait)
 
-    def _fire(self, wait: Wait) -> None:
+    def _fire(self, wait: tuple[Any, str, int, int, int, int]) -> None:
         from .launch import abort_world
 
-        comm = wait.comm
-        waited = time.monotonic() - wait.since
-        what = wait.op
-        if wait.tag >= 0:
-            what += f" of {comm.describe(wait.tag)}"
+        comm, op, seq, tag, since, _ = wait
+        waited = (time.monotonic_ns() - since) / 1e9
+        what = op + (f" of {comm.describe(tag)}" if tag >= 0 else "")
         lines = [
             f"zerompi watchdog: rank {comm.rank} of {comm.size} has waited {waited:.1f} s "
-            f"(timeout {wait.timeout:g} s) in {what}, step {comm.step}, collective call "
-            f"#{wait.seq}"
+            f"(timeout {comm.timeout:g} s) in {what}, step {comm.step}, collective call "
+            f"#{seq}"
         ]
         if comm.heartbeat is not None:
-            lines.extend(comm.heartbeat.report(comm.rank, wait.seq))
+            lines.extend(comm.heartbeat.report(comm.rank, seq))
         else:
             lines.append(
                 "zerompi watchdog: no heartbeat on this communicator: which ranks have not "
