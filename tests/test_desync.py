@@ -172,3 +172,67 @@ def test_desync_ends_the_job_without_the_watchdog(case: str, stage: int, shared:
 def test_agreeing_job_exits_zero() -> None:
     status, out, _ = _job("none", 2, True)
     assert status == 0, out
+
+
+# -- the timeout: parsed, agreed, refused -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, 600.0), (0, None), ("none", None), ("off", None), ("0", None), (2.5, 2.5),
+     ("7", 7.0)],
+)  # fmt: skip
+def test_timeout_values(value: object, expected: float | None, monkeypatch) -> None:
+    from zerompi.mpi.watchdog import TIMEOUT_ENV, resolve_timeout
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert resolve_timeout(value) == expected
+
+
+def test_timeout_from_the_environment(monkeypatch) -> None:
+    from zerompi.mpi.watchdog import TIMEOUT_ENV, resolve_timeout
+
+    monkeypatch.setenv(TIMEOUT_ENV, "12")
+    assert resolve_timeout(None) == 12.0
+    monkeypatch.setenv(TIMEOUT_ENV, "none")
+    assert resolve_timeout(None) is None
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="ZEROMPI_TIMEOUT must be a number of seconds"):
+        resolve_timeout(None)
+
+
+def test_bad_or_different_timeouts_raise_everywhere(comm: MPI.Intracomm) -> None:
+    problems = []
+    for kwargs, match in (
+        ({"timeout": -1}, "timeout must be finite and >= 0 seconds, got -1"),
+        ({"timeout": "soon"}, "timeout must be a number of seconds, 0 or 'none'"),
+        ({"timeout": [1]}, "timeout must be a number of seconds or None"),
+        ({"timeout": 10 + comm.rank} if comm.size > 1 else {"timeout": -1.5},
+         "differs between ranks" if comm.size > 1 else "got -1.5"),
+    ):  # fmt: skip
+        try:
+            ZeroOptimizer(_params(), comm=comm, **kwargs)
+            problems.append(f"{kwargs}: no error")
+        except (CollectiveError, TypeError) as exc:
+            if match not in str(exc):
+                problems.append(f"{kwargs}: {exc}")
+    assert_all(not problems, "; ".join(problems))
+
+
+def test_a_planned_collective_cannot_start_twice_in_flight(comm: MPI.Intracomm) -> None:
+    """Reusing a prepared collective's Pending is safe because a second start while
+    the first is in flight is refused."""
+    from zerompi.mpi.collectives import Comm
+
+    c = Comm(comm)
+    buf = np.zeros(4 * comm.size, np.float32)
+    planned = c.plan_allgatherv(buf, [4] * comm.size, [4 * r for r in range(comm.size)])
+    pending = planned.start()
+    try:
+        planned.start()
+        refused = False
+    except RuntimeError:
+        refused = True
+    pending.wait()
+    planned.start().wait()  # completed: may start again
+    assert_all(refused, "a second start while in flight was accepted")
