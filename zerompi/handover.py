@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .arrays import FlatArrays
-from .buffers import full_grads_plan
+from .buffers import OVERLAP_SLOTS, full_grads_plan
 from .reducer import StreamReducer
 
 if TYPE_CHECKING:
@@ -57,6 +57,8 @@ class Block:
 class HandOver:
     """``params``, ``grads``, ``gathered``, ``gradients`` (a mixin of ZeroOptimizer)."""
 
+    comm: Any
+    overlap: bool
     layout: Layout
     plan: StagePlan
     pool: BufferPool
@@ -75,6 +77,26 @@ class HandOver:
     _staging_views: list[list[dict[str, np.ndarray] | None]]
     _lookups: dict[tuple[str, ...], tuple[int, list[str]]]
     _closed: bool
+
+    def _prepare_handover(self, stores: Mapping[str, Mapping[np.dtype, np.ndarray]]) -> None:
+        """What makes a hand-over O(1): name lookups and the views handed out, cached
+        per bucket as they are first used, and stage 3's gather buffer views with
+        their prepared ``Allgatherv`` (collective: made in bucket order on every
+        rank)."""
+        layout, comm = self.layout, self.comm
+        n = len(layout.buckets)
+        self._lookups = {}
+        self._gather_views = [None] * n
+        slots = 1 if self.plan.full_grads else OVERLAP_SLOTS if self.overlap else 1
+        self._staging_views = [[None] * n for _ in range(slots)]
+        if not self.plan.full_params:
+            self._gather_bufs = [
+                stores["param_bucket"][b.dtype][: b.size] for b in layout.buckets
+            ]
+            self._gather_plans = [  # (this rank's part of the buffer, its allgatherv)
+                (buf[slice(*b.local(comm.rank))], comm.plan_allgatherv(buf, b.counts, b.displs, i))
+                for i, (b, buf) in enumerate(zip(layout.buckets, self._gather_bufs, strict=True))
+            ]
 
     def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
         spec = self._specs[name]

@@ -209,21 +209,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         self._stats_runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.parts)
         for run in runs(self.parts, ("stats",), merge=True):
             self._stats_runs[run.last] = (run.arrays[0], run.scratch)
-        n = len(layout.buckets)
-        self._lookups: dict[tuple[str, ...], tuple[int, list[str]]] = {}
-        self._gather_views: list[dict[str, np.ndarray] | None] = [None] * n
-        slots = 1 if self.plan.full_grads else OVERLAP_SLOTS if self.overlap else 1
-        self._staging_views: list[list[dict[str, np.ndarray] | None]] = [
-            [None] * n for _ in range(slots)
-        ]
-        if not self.plan.full_params:
-            self._gather_bufs = [
-                stores["param_bucket"][b.dtype][: b.size] for b in layout.buckets
-            ]
-            self._gather_plans = [  # (this rank's part of the buffer, its allgatherv)
-                (buf[slice(*b.local(comm.rank))], comm.plan_allgatherv(buf, b.counts, b.displs, i))
-                for i, (b, buf) in enumerate(zip(layout.buckets, self._gather_bufs, strict=True))
-            ]
+        self._prepare_handover(stores)
         if self.plan.full_grads:
             self._grads = FlatArrays(
                 {n: self._view(stores["grads"], n) for n in self._order}, "gradient"

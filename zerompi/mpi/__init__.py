@@ -3,12 +3,15 @@
 One module per concern:
 
 * :mod:`.collectives`: :class:`Comm`, the exact-count data path (``Reduce_scatter``,
-  ``Allgatherv``, their nonblocking forms) and the small collectives around it;
+  ``Allgatherv``, their nonblocking and prepared forms) and the small collectives
+  around it;
+* :mod:`.requests`: started collectives (``Pending``) and prepared ones (``Planned``);
 * :mod:`.agreement`: :class:`CollectiveError`, collective validation, the running
   fingerprint of the collectives a rank makes;
 * :mod:`.shm`: node-local shared memory (file-backed, unlinked once mapped) and fences;
 * :mod:`.io`: MPI-IO for checkpoints;
 * :mod:`.watchdog`: deadlines on every wait, with a diagnosis before the abort;
+* :mod:`.bare`: the benchmark's unwrapped collectives (its bare-MPI baseline);
 * :mod:`.launch`: the abort hook and the launcher checks. It never imports
   ``mpi4py.MPI`` itself (importing it initialises MPI), so ``import zerompi`` can
   install the hook on a machine, or in a process, without MPI.

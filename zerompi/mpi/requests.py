@@ -1,0 +1,98 @@
+"""Started collectives: :class:`Pending` (one in flight, and the array it delivers)
+and :class:`Planned` (a collective prepared once, started many times).
+
+Waiting on either goes through the :data:`WATCHDOG`; starting a planned one records
+it in the communicator's fingerprint and traffic books.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+from mpi4py import MPI
+
+from .agreement import token
+from .watchdog import WATCHDOG
+
+if TYPE_CHECKING:
+    from .collectives import Comm
+
+
+class Pending:
+    """A started nonblocking collective and the array it delivers. MPI owns the
+    buffers until :meth:`wait` (or :meth:`Comm.wait_all`) returns."""
+
+    __slots__ = ("comm", "op", "request", "result", "seq", "tag")
+
+    def __init__(
+        self, request: MPI.Request, result: np.ndarray, comm: Comm | None = None,
+        op: str = "", seq: int = 0, tag: int = -1,
+    ) -> None:  # fmt: skip
+        self.request = request
+        self.result = result
+        self.comm = comm
+        self.op = op
+        self.seq = seq
+        self.tag = tag
+
+    @classmethod
+    def done(cls, result: np.ndarray) -> Pending:
+        """An already completed collective (one that was run blocking)."""
+        return cls(MPI.REQUEST_NULL, result)
+
+    def wait(self) -> np.ndarray:
+        """Complete the collective (a no-op once complete) and return its array."""
+        if self.comm is None:
+            self.request.Wait()
+            return self.result
+        WATCHDOG.enter(self.comm, self.op, self.seq, self.tag)
+        try:
+            self.request.Wait()
+        finally:
+            WATCHDOG.leave()
+        return self.result
+
+    def test(self) -> bool:
+        """Whether it has completed; advances MPI progress."""
+        return bool(self.request.Test())
+
+
+class Planned:
+    """A nonblocking collective prepared once (buffers, counts and MPI arguments
+    checked and built) and started many times: what the optimizer runs per bucket and
+    per layer, so that a start costs the MPI call and the books, nothing more."""
+
+    __slots__ = (
+        "call", "calldesc", "comm", "key", "op", "pending", "received", "sent", "tag", "token",
+    )  # fmt: skip
+
+    def __init__(
+        self, comm: Comm, op: str, code: int, tag: int, count: int, result: np.ndarray,
+        call: Callable[[], MPI.Request], sent: int, received: int,
+    ) -> None:  # fmt: skip
+        self.comm, self.op, self.tag, self.call = comm, op, tag, call
+        self.sent, self.received = sent, received
+        self.calldesc = (code, tag, count)  # what the fingerprint records
+        self.token = token(code, tag, count)
+        self.key = "allgather" if op == "allgatherv" else op  # the traffic books' name
+        #: One Pending, reused by every start: a planned collective is never started
+        #: again while in flight (checked: a started request is not null).
+        self.pending = Pending(MPI.REQUEST_NULL, result, comm, op, 0, tag)
+
+    def start(self) -> Pending:
+        """Start it: recorded in the fingerprint and the traffic, then handed to MPI."""
+        comm, pending = self.comm, self.pending
+        if pending.request:
+            raise RuntimeError(f"{self.op} of bucket {self.tag} started while still in flight")
+        comm.fingerprint.add(self.calldesc, self.token)
+        comm.seq += 1
+        entry = comm.traffic.get(self.key)
+        if entry is None:
+            entry = comm.traffic[self.key] = [0, 0]
+        entry[0] += self.sent
+        entry[1] += self.received
+        pending.request = self.call()
+        pending.seq = comm.seq
+        return pending
