@@ -17,6 +17,7 @@ Two kinds of desynchronisation, two mechanisms:
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -123,7 +124,7 @@ def test_fingerprint_counts_gathers(comm: MPI.Intracomm) -> None:
 
 
 def _job(case: str, stage: int, shared: bool = False) -> tuple[int, str, float]:
-    cmd = [mpiexec(), "-n", "2", "python", str(SCRIPT), case, str(stage), str(int(shared))]
+    cmd = [mpiexec(), "-n", "2", sys.executable, str(SCRIPT), case, str(stage), str(int(shared))]
     status, out, end = run(cmd, timeout=60, ZEROMPI_TIMEOUT=str(TIMEOUT))
     starts = [float(s) for s in re.findall(r"START (\d+\.\d+)", out)]
     assert starts, out
