@@ -203,8 +203,8 @@ class HandOver:
             self._single_bucket(resolved, "gathered")  # raises: one bucket at a time
         start = time.perf_counter()
         own, planned = self._gather_plans[index]
-        np.copyto(own, self.parts[index].param)
-        planned.start().wait()
+        own[...] = self.parts[index].param  # (np.copyto costs 3x more per call)
+        planned.run()
         self.timings["allgather"] += time.perf_counter() - start
         self._gathered = index
         views = self._views(self._gather_views, index, self._gather_bufs[index], resolved)

@@ -128,8 +128,11 @@ class StreamReducer:
         self.full: Mapping[np.dtype, np.ndarray] | None = None
         self.full_mode: bool | None = None  # decided once, collectively
         self.make_full = make_full  # allocates ``full`` (stage 2)
-        #: (slot or -1 for ``full``, bucket, add) -> its prepared reduce-scatter
-        self.planned: dict[tuple[int, int, bool], Planned] = {}
+        #: planned[slot or -1 for ``full``][2 * bucket + add]: its prepared
+        #: reduce-scatter, made on first use
+        self.planned: list[list[Planned | None]] = [
+            [None] * (2 * len(parts)) for _ in range(slots + 1)
+        ]
 
     # -- hand-over ----------------------------------------------------------------
 
@@ -188,10 +191,10 @@ class StreamReducer:
         if self.segments is not None and slot is not None:
             self._shared_reduce(index, slot, shard, add)
             return
-        key = (-1 if slot is None else slot, index, add)
-        planned = self.planned.get(key)
+        row = self.planned[-1 if slot is None else slot]
+        planned = row[2 * index + add]
         if planned is None:
-            planned = self.planned[key] = self.comm.plan_reduce_scatter(
+            planned = row[2 * index + add] = self.comm.plan_reduce_scatter(
                 buf, bucket.counts, None if add else shard, index
             )
         self.inflight.append(_Reduction(index, planned.start(), add, slot))
@@ -223,7 +226,10 @@ class StreamReducer:
 
     def _complete(self, upto: int) -> None:
         """Finish the ``upto`` oldest started reductions, in the order started."""
-        done, self.inflight = self.inflight[:upto], self.inflight[upto:]
+        if upto >= len(self.inflight):  # the common case: all of them, no slicing
+            done, self.inflight = self.inflight, []
+        else:
+            done, self.inflight = self.inflight[:upto], self.inflight[upto:]
         for reduction in done:
             reduced = reduction.pending.wait()
             if reduction.add:

@@ -194,6 +194,7 @@ class Comm(FileIO, Agreement):
             self, "allgatherv", _AG, tag, buf.shape[0], buf,
             lambda: self.mpi.Iallgatherv(MPI.IN_PLACE, spec),
             (self.size - 1) * mine * size, (sum(counts) - mine) * size,
+            lambda: self.mpi.Allgatherv(MPI.IN_PLACE, spec),
         )  # fmt: skip
 
     def ireduce_scatter(
@@ -337,7 +338,9 @@ class Comm(FileIO, Agreement):
         forced = os.environ.get("ZEROMPI_NODE_SIZE", "").strip()
         if forced.isdigit() and int(forced) > 0:
             return self.size <= int(forced)
-        node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+        from .shm import node_comm
+
+        node = node_comm(self)
         try:
             together = node.Get_size() == self.size
         finally:

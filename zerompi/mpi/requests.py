@@ -65,14 +65,16 @@ class Planned:
     per layer, so that a start costs the MPI call and the books, nothing more."""
 
     __slots__ = (
-        "call", "calldesc", "comm", "key", "op", "pending", "received", "sent", "tag", "token",
+        "blocking", "call", "calldesc", "comm", "key", "op", "pending", "received", "sent",
+        "tag", "token",
     )  # fmt: skip
 
     def __init__(
         self, comm: Comm, op: str, code: int, tag: int, count: int, result: np.ndarray,
         call: Callable[[], MPI.Request], sent: int, received: int,
+        blocking: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
-        self.comm, self.op, self.tag, self.call = comm, op, tag, call
+        self.comm, self.op, self.tag, self.call, self.blocking = comm, op, tag, call, blocking
         self.sent, self.received = sent, received
         self.calldesc = (code, tag, count)  # what the fingerprint records
         self.token = token(code, tag, count)
@@ -81,11 +83,8 @@ class Planned:
         #: again while in flight (checked: a started request is not null).
         self.pending = Pending(MPI.REQUEST_NULL, result, comm, op, 0, tag)
 
-    def start(self) -> Pending:
-        """Start it: recorded in the fingerprint and the traffic, then handed to MPI."""
-        comm, pending = self.comm, self.pending
-        if pending.request:
-            raise RuntimeError(f"{self.op} of bucket {self.tag} started while still in flight")
+    def _books(self) -> Comm:
+        comm = self.comm
         comm.fingerprint.add(self.calldesc, self.token)
         comm.seq += 1
         entry = comm.traffic.get(self.key)
@@ -93,6 +92,28 @@ class Planned:
             entry = comm.traffic[self.key] = [0, 0]
         entry[0] += self.sent
         entry[1] += self.received
+        return comm
+
+    def start(self) -> Pending:
+        """Start it: recorded in the fingerprint and the traffic, then handed to MPI."""
+        pending = self.pending
+        if pending.request:
+            raise RuntimeError(f"{self.op} of bucket {self.tag} started while still in flight")
+        comm = self._books()
         pending.request = self.call()
         pending.seq = comm.seq
         return pending
+
+    def run(self) -> None:
+        """Run it to completion: the blocking form of the same collective when one
+        was prepared (one MPI call instead of a start and a wait), books as
+        :meth:`start`, the wait under the watchdog."""
+        if self.blocking is None:
+            self.start().wait()
+            return
+        comm = self._books()
+        WATCHDOG.enter(comm, self.op, comm.seq, self.tag)
+        try:
+            self.blocking()
+        finally:
+            WATCHDOG.leave()

@@ -39,9 +39,10 @@ def shm_dir() -> str:
     return os.environ.get(SHM_DIR_ENV, "/dev/shm")
 
 
-def node_comm(comm: MPI.Intracomm) -> MPI.Intracomm:
-    """Collective: the ranks of ``comm`` that share this node's memory."""
-    return comm.Split_type(MPI.COMM_TYPE_SHARED)
+def node_comm(comm: Comm) -> MPI.Intracomm:
+    """Collective (under the watchdog): the ranks of ``comm`` that share this node's
+    memory, as a new MPI communicator the caller frees."""
+    return comm._blocking("split", -1, lambda: comm.mpi.Split_type(MPI.COMM_TYPE_SHARED))
 
 
 def _part_bytes(count: int, dtype: np.dtype) -> int:
@@ -180,7 +181,7 @@ class Heartbeat:
 def make_heartbeat(comm: Comm, ops: tuple[str, ...]) -> Heartbeat | None:
     """Collective: a heartbeat over the ranks of ``comm`` on this node, or ``None``
     where shared memory is not available (then the watchdog reports only itself)."""
-    node = node_comm(comm.mpi)
+    node = node_comm(comm)
     try:
         from .collectives import Comm as _Comm
 
