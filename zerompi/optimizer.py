@@ -30,9 +30,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from mpi4py import MPI
 
 from .adam import AdamConfig, adam_step, grad_stats
 from .arrays import FlatArrays, check_failure_settings, check_params
@@ -47,6 +47,9 @@ from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_
 from .plan import bucket_parts, runs, shard_of, stage_plan
 from .reducer import FullReducer, StreamReducer
 from .state import PHASES, OptimizerState
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = ["PHASES", "ZeroOptimizer"]
 
