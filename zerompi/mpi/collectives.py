@@ -336,8 +336,9 @@ class Comm(FileIO, Agreement):
         import os
 
         forced = os.environ.get("ZEROMPI_NODE_SIZE", "").strip()
-        if forced.isdigit() and int(forced) > 0:
-            return self.size <= int(forced)
+        if forced.isdigit() and int(forced) > 0:  # node of a rank: world rank // L
+            nodes = self.allgather(MPI.COMM_WORLD.Get_rank() // int(forced))
+            return len(set(nodes)) == 1
         from .shm import node_comm
 
         node = node_comm(self)
