@@ -24,7 +24,10 @@ zerompi_setup() {
     local extras=$1 modules=$2
     local check="import zerompi, mpi4py.MPI${modules:+, $modules}, os, sys; \
 sys.exit(not os.path.samefile(os.path.dirname(zerompi.__file__), '$ZEROMPI_ROOT/zerompi'))"
-    if "$PY" -c "$check" 2>/dev/null && [ -n "$(zerompi_find_mpiexec)" ]; then
+    # From / : the check must see the installed zerompi, not this folder's (python -c
+    # puts the current directory first on sys.path), or a stale install elsewhere
+    # (another clone's editable install) would pass it.
+    if (cd / && "$PY" -c "$check") 2>/dev/null && [ -n "$(zerompi_find_mpiexec)" ]; then
         MPIEXEC=$(zerompi_find_mpiexec)
         return
     fi

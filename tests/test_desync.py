@@ -237,3 +237,23 @@ def test_a_planned_collective_cannot_start_twice_in_flight(comm: MPI.Intracomm) 
     pending.wait()
     planned.start().wait()  # completed: may start again
     assert_all(refused, "a second start while in flight was accepted")
+
+
+class _FakeComm:
+    """What the watchdog reads of a communicator."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout, self.size, self.rank, self.step, self.heartbeat = timeout, 2, 0, 1, None
+
+
+@pytest.mark.parametrize("timeout", [600.0, 3.0, 0.1])
+def test_the_first_wait_starts_the_watchdog_thread(timeout: float) -> None:
+    """Whatever the timeout (the default 600 s included), the first wait inside zerompi
+    starts the thread, polling often enough to fire within about 1/8 of it."""
+    from zerompi.mpi.watchdog import Watchdog
+
+    dog = Watchdog()
+    dog.enter(_FakeComm(timeout), "allreduce", 1, -1)
+    dog.leave()
+    assert dog._thread is not None and dog._thread.is_alive()
+    assert dog._poll <= max(0.02, timeout / 8)

@@ -91,8 +91,8 @@ class Watchdog:
         heartbeat = comm.heartbeat
         if heartbeat is not None:
             heartbeat.arrive(seq, op, comm.step, now)
-        if timeout < self._poll * 8:
-            self._arm(timeout)
+        if self._thread is None or timeout < self._poll * 8:
+            self._arm(timeout)  # the first wait starts the thread; a shorter timeout polls faster
 
     def _arm(self, timeout: float) -> None:
         self._poll = max(0.02, min(1.0, timeout / 8))
