@@ -4,8 +4,9 @@ A fingerprint (:mod:`.agreement`) catches ranks that made *different* collective
 calls; it cannot see a collective that some rank never enters: the others then wait
 forever. Every blocking MPI call zerompi makes (a collective, the completion of a
 nonblocking one, a fence, an MPI-IO call) is bracketed by :meth:`Watchdog.enter` /
-:meth:`Watchdog.leave`, which cost two attribute writes. One daemon thread per
-process wakes a few times a second; when the current wait has outlived its deadline
+:meth:`Watchdog.leave` (about a microsecond: one tuple and the heartbeat). One daemon thread per
+process, started by the first wait, wakes every second (every eighth of the
+timeout, if shorter); when the current wait has outlived its deadline
 it prints what this rank waits in (operation, step, call number, bucket) and, from
 the node's heartbeat (:class:`zerompi.mpi.shm.Heartbeat`), which ranks of this node
 have not arrived and where they were last seen, then aborts the world. mpi4py
