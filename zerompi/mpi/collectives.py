@@ -97,11 +97,10 @@ class Comm(FileIO, Agreement):
         self.traffic = {}
         return out
 
-    def _start(self, code: int, tag: int, count: int) -> int:
-        """Record a data-path collective in the fingerprint; its call number."""
+    def _start(self, code: int, tag: int, count: int) -> None:
+        """Record a data-path collective in the fingerprint (its call number ``seq``
+        is counted where it waits or starts: :meth:`_blocking`, a start)."""
         self.fingerprint.record(code, tag, count)
-        self.seq += 1
-        return self.seq
 
     def _blocking(self, op: str, tag: int, call: Callable[[], Any]) -> Any:
         """Run one blocking MPI call under the watchdog."""
@@ -143,14 +142,7 @@ class Comm(FileIO, Agreement):
     ) -> None:
         """Every rank contributes ``buf[displs[r]:displs[r]+counts[r]]`` and receives
         everyone's slice into the same buffer (MPI_IN_PLACE)."""
-        self._check_fits(buf, counts, displs)
-        self._start(_AG, tag, buf.shape[0])
-        self._blocking(
-            "allgatherv", tag,
-            lambda: self.mpi.Allgatherv(MPI.IN_PLACE, [buf, list(counts), list(displs),
-                                                      _mpi_type(buf)]),
-        )  # fmt: skip
-        self.count_allgather(sum(counts), counts[self.rank], buf.itemsize)
+        self.plan_allgatherv(buf, counts, displs, tag).run()  # one path: checks, books
 
     def plan_reduce_scatter(
         self, buf: np.ndarray, counts: Sequence[int], out: np.ndarray | None = None,
@@ -214,7 +206,9 @@ class Comm(FileIO, Agreement):
 
     def iallreduce(self, buf: np.ndarray, tag: int = -1) -> Pending:
         """Start :meth:`allreduce_inplace`; ``buf`` holds the sum after ``wait()``."""
-        seq = self._start(_AR, tag, buf.shape[0])
+        self._start(_AR, tag, buf.shape[0])
+        self.seq += 1
+        seq = self.seq
         request = self.mpi.Iallreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM)
         volume = 2 * buf.nbytes * (self.size - 1) // self.size if self.size > 1 else 0
         self._count("allreduce", volume, volume)
