@@ -257,3 +257,28 @@ def test_the_first_wait_starts_the_watchdog_thread(timeout: float) -> None:
     dog.leave()
     assert dog._thread is not None and dog._thread.is_alive()
     assert dog._poll <= max(0.02, timeout / 8)
+
+
+def test_watchdog_times_one_wait_not_a_run_of_short_ones() -> None:
+    """The thread times a wait from the poll that first sees it: one wait longer than
+    the timeout fires; many short waits back to back, together far longer, do not."""
+    import time
+
+    from zerompi.mpi.watchdog import Watchdog
+
+    fired: list[float] = []
+
+    class Recording(Watchdog):
+        def _fire(self, wait: tuple, waited: float) -> None:  # type: ignore[override]
+            fired.append(waited)
+
+    dog, comm = Recording(), _FakeComm(0.2)
+    for seq in range(40):  # 40 waits of 25 ms: 1 s in all, 5 timeouts
+        dog.enter(comm, "allreduce", seq, -1)
+        time.sleep(0.025)
+        dog.leave()
+    assert fired == [], f"short waits fired the watchdog after {fired} s"
+    dog.enter(comm, "allreduce", 40, -1)
+    time.sleep(0.5)  # one wait of 2.5 timeouts
+    dog.leave()
+    assert len(fired) == 1 and 0.2 <= fired[0] <= 0.5, fired

@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 DEBUG = os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0")
 
 class Block:
-    """What ``with opt.gathered(...)`` / ``with opt.gradients(...)`` enter: the arrays,
-    what to do on any exit (``always``) and on a normal one (``on_exit``). A plain
-    class, not a generator: it is entered three times per layer and step."""
+    """What ``with opt.gathered(...)`` / ``with opt.gradients(...)`` enter: the arrays
+    (a fresh dict of them per entry), what to do on any exit (``always``) and on a
+    normal one (``on_exit``). A plain class, not a generator: it is entered three
+    times per layer and step, and a whole bucket's blocks are made once and reused."""
 
     __slots__ = ("always", "arg", "on_exit", "views")
 
@@ -43,8 +44,8 @@ class Block:
     ) -> None:  # fmt: skip
         self.views, self.on_exit, self.arg, self.always = views, on_exit, arg, always
 
-    def __enter__(self) -> Mapping[str, np.ndarray]:
-        return self.views
+    def __enter__(self) -> dict[str, np.ndarray]:
+        return dict(self.views)
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if self.always is not None:
@@ -73,9 +74,9 @@ class HandOver:
     _gathered: int | None
     _gather_bufs: list[np.ndarray]
     _gather_plans: list[Any]
-    _gather_views: list[dict[str, np.ndarray] | None]
-    _staging_views: list[list[dict[str, np.ndarray] | None]]
-    _lookups: dict[tuple[str, ...], tuple[int, list[str]]]
+    _gather_blocks: list[Block | None]
+    _staging_blocks: list[list[Block | None]]
+    _lookups: dict[tuple[str, ...], tuple[int, list[str], bool]]
     _closed: bool
 
     def _prepare_handover(self, stores: Mapping[str, Mapping[np.dtype, np.ndarray]]) -> None:
@@ -86,15 +87,15 @@ class HandOver:
         layout, comm = self.layout, self.comm
         n = len(layout.buckets)
         self._lookups = {}
-        self._gather_views = [None] * n
+        self._gather_blocks = [None] * n
         slots = 1 if self.plan.full_grads else OVERLAP_SLOTS if self.overlap else 1
-        self._staging_views = [[None] * n for _ in range(slots)]
+        self._staging_blocks = [[None] * n for _ in range(slots)]
         if not self.plan.full_params:
             self._gather_bufs = [
                 stores["param_bucket"][b.dtype][: b.size] for b in layout.buckets
             ]
-            self._gather_plans = [  # (this rank's part of the buffer, its allgatherv)
-                (buf[slice(*b.local(comm.rank))], comm.plan_allgatherv(buf, b.counts, b.displs, i))
+            self._gather_plans = [  # from the master shard straight into the buffer
+                comm.plan_allgatherv(buf, b.counts, b.displs, i, send=self.parts[i].param)
                 for i, (b, buf) in enumerate(zip(layout.buckets, self._gather_bufs, strict=True))
             ]
 
@@ -190,8 +191,9 @@ class HandOver:
         it) and releases it on exit; the arrays must not be used after the block
         (``ZEROMPI_DEBUG=1`` fills them with NaN on exit). Stages 0-2: the persistent
         views."""
-        self._live("gathered")
-        index, resolved = self._lookup(names, "gathered")
+        if self._closed:
+            self._live("gathered")
+        index, resolved, whole = self._lookup(names, "gathered")
         if self.plan.full_params:
             return Block({n: self._params[n] for n in resolved})
         if self._gathered is not None:
@@ -202,13 +204,16 @@ class HandOver:
         if index < 0:
             self._single_bucket(resolved, "gathered")  # raises: one bucket at a time
         start = time.perf_counter()
-        own, planned = self._gather_plans[index]
-        own[...] = self.parts[index].param  # (np.copyto costs 3x more per call)
-        planned.run()
+        self._gather_plans[index].run()
         self.timings["allgather"] += time.perf_counter() - start
         self._gathered = index
-        views = self._views(self._gather_views, index, self._gather_bufs[index], resolved)
-        return Block(views, always=self._release_gathered)
+        block = self._gather_blocks[index] if whole else None
+        if block is None:
+            views = self._views(self._gather_bufs[index], index, resolved)
+            block = Block(views, always=self._release_gathered)
+            if whole:
+                self._gather_blocks[index] = block
+        return block
 
     def _release_gathered(self) -> None:
         if DEBUG and self._gathered is not None:
@@ -221,47 +226,46 @@ class HandOver:
         every parameter of a bucket has been handed over in this micro-batch, the
         bucket is reduce-scattered (collective) and only this rank's shard kept.
         Stages 0-1: views into the full gradient buffer."""
-        self._live("gradients")
-        index, resolved = self._lookup(names, "gradients")
+        if self._closed:
+            self._live("gradients")
+        index, resolved, whole = self._lookup(names, "gradients")
         if self.plan.full_grads:
             return Block({n: self._grads[n] for n in resolved})
         if index < 0:
             self._single_bucket(resolved, "gradients")  # raises: one bucket at a time
-        reducer = self.reducer
-        assert isinstance(reducer, StreamReducer)
+        reducer: StreamReducer = self.reducer
         start = time.perf_counter()
         buf = reducer.begin(index)
         self.timings["reduce_scatter"] += time.perf_counter() - start
-        views = self._views(self._staging_views[reducer.slot], index, buf, resolved)
-        return Block(views, self._handed_over, resolved)
+        if not whole:
+            views = self._views(buf, index, resolved)
+            return Block(views, self._handed_over, (index, resolved))
+        cache = self._staging_blocks[reducer.slot]
+        block = cache[index]
+        if block is None:
+            views = self._views(buf, index, resolved)
+            block = cache[index] = Block(views, self._handed_over, (index, None))
+        return block
 
-    def _handed_over(self, names: list[str]) -> None:
+    def _handed_over(self, handed: tuple[int, list[str] | None]) -> None:
         start = time.perf_counter()
-        self.reducer.handed_over(names)  # type: ignore[union-attr]
+        self.reducer.handed_over(*handed)
         self.timings["reduce_scatter"] += time.perf_counter() - start
 
-    def _views(
-        self, cache: list[dict[str, np.ndarray] | None], index: int, buf: np.ndarray,
-        names: Sequence[str],
-    ) -> Mapping[str, np.ndarray]:  # fmt: skip
-        """Name -> view of ``buf`` (bucket ``index``'s buffer) for ``names``; the views
-        of a whole bucket are made once and kept in ``cache``."""
+    def _views(self, buf: np.ndarray, index: int, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Name -> view of ``buf`` (bucket ``index``'s buffer) for ``names``."""
         bucket = self.layout.buckets[index]
-        if len(names) != len(bucket.names):
-            return {n: self._bucket_view(buf, bucket, n) for n in names}
-        views = cache[index]
-        if views is None:
-            views = cache[index] = {n: self._bucket_view(buf, bucket, n) for n in names}
-        return dict(views)
+        return {n: self._bucket_view(buf, bucket, n) for n in names}
 
-    def _lookup(self, names: tuple[str, ...], what: str) -> tuple[int, list[str]]:
-        """The bucket and parameter names of ``names`` (parameter or group names),
-        cached: the hand-over of a layer costs O(1), not O(model)."""
+    def _lookup(self, names: tuple[str, ...], what: str) -> tuple[int, list[str], bool]:
+        """The bucket of ``names`` (parameter or group names; -1 if they span
+        several), their parameter names, and whether they are all of the bucket's:
+        cached, so the hand-over of a layer costs O(1), not O(model)."""
         found = self._lookups.get(names)
         if found is None:
             resolved = self._resolve(names)
             indices = {self.layout.bucket_of[n] for n in resolved}
-            found = (indices.pop() if len(indices) == 1 else -1, resolved)
-            self._lookups[names] = found
+            index = indices.pop() if len(indices) == 1 else -1
+            whole = index >= 0 and set(resolved) == set(self.layout.buckets[index].names)
+            found = self._lookups[names] = (index, resolved, whole)
         return found
-

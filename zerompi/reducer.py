@@ -121,7 +121,8 @@ class StreamReducer:
         self.reductions = [0] * len(parts)  # per bucket, this step
         self.open: int | None = None  # bucket whose gradients fill the open slot
         self.slot = 0
-        self.pending: set[str] = set()  # its parameters not handed over yet
+        #: its parameters not handed over yet (``None``: all of them)
+        self.pending: set[str] | None = None
         self.inflight: list[_Reduction] = []
         #: Stage 2's full gradient buffers (``opt.grads``), reduced at every
         #: ``end_micro_batch`` once every rank agreed to use them.
@@ -129,8 +130,8 @@ class StreamReducer:
         self.full_mode: bool | None = None  # decided once, collectively
         self.make_full = make_full  # allocates ``full`` (stage 2)
         #: planned[slot or -1 for ``full``][2 * bucket + add]: its prepared
-        #: reduce-scatter, made on first use
-        self.planned: list[list[Planned | None]] = [
+        #: reduce-scatter and the in-flight entry that goes with it, made on first use
+        self.planned: list[list[tuple[Planned, _Reduction] | None]] = [
             [None] * (2 * len(parts)) for _ in range(slots + 1)
         ]
 
@@ -139,24 +140,36 @@ class StreamReducer:
     def begin(self, index: int) -> np.ndarray:
         """The staging buffer to add bucket ``index``'s gradients into: the open one,
         or a fresh (zeroed) slot, which closes and starts reducing the open bucket."""
-        if self.open != index:
+        if self.open == index:
+            if self.inflight:
+                self.comm.progress([r.pending for r in self.inflight])
+            return self.views[self.slot][index]
+        if self.open is not None:
             self.flush()
-            slot = (self.slot + 1) % self.slots
+        slot = self.slot + 1
+        if slot == self.slots:
+            slot = 0
+        if self.inflight:
             self._release(slot)
-            self.slot = slot
-            self.views[slot][index].fill(0)
-            self.open = index
-            self.pending = set(self.names[index])
-        elif self.inflight:
-            self.comm.progress([r.pending for r in self.inflight])
-        return self.views[self.slot][index]
+        self.slot = slot
+        buf = self.views[slot][index]
+        buf.fill(0)
+        self.open = index
+        self.pending = None
+        return buf
 
-    def handed_over(self, names: Sequence[str]) -> None:
-        """``names`` of the open bucket are handed over; start its reduction once
-        every parameter of the bucket is."""
-        self.pending.difference_update(names)
-        if not self.pending:
-            self.flush()
+    def handed_over(self, index: int, names: Sequence[str] | None) -> None:
+        """``names`` of bucket ``index`` are handed over (``None``: all of them);
+        start its reduction once every parameter of the bucket is."""
+        if self.open != index:
+            return  # already started: a later bucket was begun
+        if names is not None:
+            if self.pending is None:
+                self.pending = set(self.names[self.open])  # type: ignore[index]
+            self.pending.difference_update(names)
+            if self.pending:
+                return
+        self.flush()
 
     def flush(self) -> None:
         """Start reducing the open staging bucket into the gradient shard."""
@@ -192,12 +205,14 @@ class StreamReducer:
             self._shared_reduce(index, slot, shard, add)
             return
         row = self.planned[-1 if slot is None else slot]
-        planned = row[2 * index + add]
-        if planned is None:
-            planned = row[2 * index + add] = self.comm.plan_reduce_scatter(
+        made = row[2 * index + add]
+        if made is None:
+            planned = self.comm.plan_reduce_scatter(
                 buf, bucket.counts, None if add else shard, index
             )
-        self.inflight.append(_Reduction(index, planned.start(), add, slot))
+            made = row[2 * index + add] = (planned, _Reduction(index, planned.pending, add, slot))
+        made[0].start()  # (starts made[1].pending, which a planned collective reuses)
+        self.inflight.append(made[1])
 
     def _shared_reduce(self, index: int, slot: int, out: np.ndarray, add: bool) -> None:
         """Blocking: this rank sums its part of every rank's staging slot, in rank
@@ -262,7 +277,7 @@ class StreamReducer:
         if self.full is not None:
             for grad in self.full.values():
                 grad.fill(0)
-        self.open, self.pending = None, set()
+        self.open, self.pending = None, None
         self.consumed()
 
     def close(self) -> None:

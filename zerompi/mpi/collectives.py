@@ -175,18 +175,29 @@ class Comm(FileIO, Agreement):
         )  # fmt: skip
 
     def plan_allgatherv(
-        self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int], tag: int = -1
-    ) -> Planned:
-        """An in-place allgatherv of ``buf`` checked and prepared once (see
-        :meth:`plan_reduce_scatter`)."""
+        self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int], tag: int = -1,
+        send: np.ndarray | None = None,
+    ) -> Planned:  # fmt: skip
+        """An allgatherv into ``buf`` checked and prepared once (see
+        :meth:`plan_reduce_scatter`): in place, or from ``send`` (this rank's
+        ``counts[rank]`` elements, kept elsewhere: MPI copies them in, which saves the
+        caller a copy per call)."""
         self._check_fits(buf, counts, displs)
-        spec = [buf, list(counts), list(displs), _mpi_type(buf)]
-        mine, size = counts[self.rank], buf.itemsize
+        mpi_type, mine, size = _mpi_type(buf), counts[self.rank], buf.itemsize
+        spec = [buf, list(counts), list(displs), mpi_type]
+        source: Any = MPI.IN_PLACE
+        if send is not None:
+            if send.shape != (mine,) or send.dtype != buf.dtype or not send.flags.c_contiguous:
+                raise ValueError(
+                    f"send must be {mine} contiguous elements of {buf.dtype}, got "
+                    f"{send.shape} {send.dtype}"
+                )
+            source = [send, mpi_type]
         return Planned(
             self, "allgatherv", _AG, tag, buf.shape[0], buf,
-            lambda: self.mpi.Iallgatherv(MPI.IN_PLACE, spec),
+            lambda: self.mpi.Iallgatherv(source, spec),
             (self.size - 1) * mine * size, (sum(counts) - mine) * size,
-            lambda: self.mpi.Allgatherv(MPI.IN_PLACE, spec),
+            lambda: self.mpi.Allgatherv(source, spec),
         )  # fmt: skip
 
     def ireduce_scatter(

@@ -44,10 +44,11 @@ class Pending:
 
     def wait(self) -> np.ndarray:
         """Complete the collective (a no-op once complete) and return its array."""
-        if self.comm is None:
+        comm = self.comm
+        if comm is None or comm.timeout is None or comm.size == 1:  # no watchdog
             self.request.Wait()
             return self.result
-        WATCHDOG.enter(self.comm, self.op, self.seq, self.tag)
+        WATCHDOG.enter(comm, self.op, self.seq, self.tag)
         try:
             self.request.Wait()
         finally:
@@ -83,37 +84,41 @@ class Planned:
         #: again while in flight (checked: a started request is not null).
         self.pending = Pending(MPI.REQUEST_NULL, result, comm, op, 0, tag)
 
-    def _books(self) -> Comm:
+    def _books(self) -> int:
+        """Record a start in the fingerprint and the traffic; its call number."""
         comm = self.comm
         comm.fingerprint.add(self.calldesc, self.token)
-        comm.seq += 1
+        seq = comm.seq = comm.seq + 1
         entry = comm.traffic.get(self.key)
         if entry is None:
             entry = comm.traffic[self.key] = [0, 0]
         entry[0] += self.sent
         entry[1] += self.received
-        return comm
+        return seq
 
     def start(self) -> Pending:
         """Start it: recorded in the fingerprint and the traffic, then handed to MPI."""
         pending = self.pending
         if pending.request:
             raise RuntimeError(f"{self.op} of bucket {self.tag} started while still in flight")
-        comm = self._books()
+        pending.seq = self._books()
         pending.request = self.call()
-        pending.seq = comm.seq
         return pending
 
     def run(self) -> None:
         """Run it to completion: the blocking form of the same collective when one
         was prepared (one MPI call instead of a start and a wait), books as
         :meth:`start`, the wait under the watchdog."""
-        if self.blocking is None:
+        blocking = self.blocking
+        if blocking is None:
             self.start().wait()
             return
-        comm = self._books()
-        WATCHDOG.enter(comm, self.op, comm.seq, self.tag)
+        seq, comm = self._books(), self.comm
+        if comm.timeout is None or comm.size == 1:  # what WATCHDOG.enter checks first
+            blocking()
+            return
+        WATCHDOG.enter(comm, self.op, seq, self.tag)
         try:
-            self.blocking()
+            blocking()
         finally:
             WATCHDOG.leave()

@@ -114,7 +114,8 @@ def _unlink(path: str) -> None:
 
 #: Heartbeat columns: last collective call number, its operation, the step, whether
 #: the rank is waiting in it now, and when it entered or left it (CLOCK_MONOTONIC,
-#: the same clock for every process of a node).
+#: the same clock for every process of a node). The rank's watchdog thread writes
+#: them, to one poll, so that a wait costs the main thread no shared-memory writes.
 _SEQ, _OP, _STEP, _WAITING, _TIME = range(5)
 
 
@@ -131,21 +132,16 @@ class Heartbeat:
         self._mine = memoryview(segment.local).cast("B").cast("q")  # fast item writes
         self._codes = {op: i for i, op in enumerate(ops)}
 
-    def arrive(self, seq: int, op: str, step: int, now_ns: int) -> None:
-        """This rank starts waiting in collective call ``seq`` (at ``now_ns``,
-        ``time.monotonic_ns()``)."""
+    def mark(self, seq: int, op: str, step: int, waiting: bool, since_ns: int) -> None:
+        """This rank's state as its watchdog thread saw it: last collective call
+        ``seq`` (``op``, at ``step``), waiting in it or not, since ``since_ns``
+        (``time.monotonic_ns()``, to one watchdog poll)."""
         row = self._mine
         row[_SEQ] = seq
         row[_OP] = self._codes.get(op, -1)
         row[_STEP] = step
-        row[_TIME] = now_ns
-        row[_WAITING] = 1
-
-    def depart(self) -> None:
-        """This rank's wait is over (it runs its own code again)."""
-        row = self._mine
-        row[_WAITING] = 0
-        row[_TIME] = time.monotonic_ns()
+        row[_TIME] = since_ns
+        row[_WAITING] = int(waiting)
 
     def report(self, me: int, seq: int) -> list[str]:
         """Lines naming the ranks of this node that have not reached call ``seq``."""

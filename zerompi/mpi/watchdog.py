@@ -4,12 +4,14 @@ A fingerprint (:mod:`.agreement`) catches ranks that made *different* collective
 calls; it cannot see a collective that some rank never enters: the others then wait
 forever. Every blocking MPI call zerompi makes (a collective, the completion of a
 nonblocking one, a fence, an MPI-IO call) is bracketed by :meth:`Watchdog.enter` /
-:meth:`Watchdog.leave` (about a microsecond: one tuple and the heartbeat). One daemon thread per
+:meth:`Watchdog.leave`: one tuple and two attribute writes, a few hundred nanoseconds
+(it is on the path of every layer of a stage-3 model). One daemon thread per
 process, started by the first wait, wakes every second (every eighth of the
-timeout, if shorter); when the current wait has outlived its deadline
-it prints what this rank waits in (operation, step, call number, bucket) and, from
-the node's heartbeat (:class:`zerompi.mpi.shm.Heartbeat`), which ranks of this node
-have not arrived and where they were last seen, then aborts the world. mpi4py
+timeout, if shorter), times the waits it sees and mirrors this rank's state into
+the node's heartbeat; when a wait has outlived the timeout it prints what this rank
+waits in (operation, step, call number, bucket) and, from the node's heartbeat
+(:class:`zerompi.mpi.shm.Heartbeat`), which ranks of this node have not arrived and
+where they were last seen, then aborts the world. mpi4py
 releases the GIL inside MPI calls, so the thread runs while the main thread is
 blocked in one (torch's NCCL watchdog is the same idea).
 
@@ -70,12 +72,16 @@ def resolve_timeout(value: object = None) -> float | None:
 class Watchdog:
     """The process's watchdog (see the module docstring); use :data:`WATCHDOG`.
 
-    ``current`` is ``(comm, op, seq, tag, since_ns, deadline_ns)`` of the wait in
-    progress, or ``None``: one tuple, replaced whole, so the thread always reads a
-    consistent one."""
+    The waiting thread only publishes ``current``, ``(comm, op, seq, tag)`` of the
+    wait in progress or ``None`` (one tuple, replaced whole, so the thread always
+    reads a consistent one), and ``last``, the latest wait's tuple: two attribute
+    writes per wait. The thread does the clock work: it times a wait from the poll
+    that first sees it (so it fires between ``timeout`` and ``timeout`` + two polls
+    after the wait began) and mirrors what it sees into the node's heartbeat."""
 
     def __init__(self) -> None:
-        self.current: tuple[Any, str, int, int, int, int] | None = None
+        self.current: tuple[Any, str, int, int] | None = None
+        self.last: tuple[Any, str, int, int] | None = None
         self._thread: threading.Thread | None = None
         self._poll = 1.0
         self._fired = False
@@ -87,11 +93,7 @@ class Watchdog:
         timeout = comm.timeout
         if timeout is None or comm.size == 1:
             return
-        now = time.monotonic_ns()
-        self.current = (comm, op, seq, tag, now, now + int(timeout * 1e9))
-        heartbeat = comm.heartbeat
-        if heartbeat is not None:
-            heartbeat.arrive(seq, op, comm.step, now)
+        self.current = self.last = (comm, op, seq, tag)
         if self._thread is None or timeout < self._poll * 8:
             self._arm(timeout)  # the first wait starts the thread; a shorter timeout polls faster
 
@@ -103,26 +105,31 @@ class Watchdog:
 
     def leave(self) -> None:
         """The wait begun by :meth:`enter` is over."""
-        wait = self.current
-        if wait is not None:
-            self.current = None
-            heartbeat = wait[0].heartbeat
-            if heartbeat is not None:
-                heartbeat.depart()
+        self.current = None
 
     def _run(self) -> None:
+        seen: tuple[Any, str, int, int] | None = None  # the latest wait, as last seen
+        seen_waiting, since = False, 0
         while True:
             time.sleep(self._poll)
-            wait = self.current
-            if wait is not None and time.monotonic_ns() > wait[5] and not self._fired:
+            now = time.monotonic_ns()
+            wait, last = self.current, self.last
+            if last is not seen or (wait is not None) != seen_waiting:
+                seen, seen_waiting, since = last, wait is not None, now  # a new state
+                if last is not None and last[0].heartbeat is not None:
+                    comm, op, seq, _ = last
+                    comm.heartbeat.mark(seq, op, comm.step, seen_waiting, now)
+            elif (
+                wait is not None and not self._fired and wait[0].timeout is not None
+                and now - since > wait[0].timeout * 1e9
+            ):  # fmt: skip
                 self._fired = True
-                self._fire(wait)
+                self._fire(wait, (now - since) / 1e9)
 
-    def _fire(self, wait: tuple[Any, str, int, int, int, int]) -> None:
+    def _fire(self, wait: tuple[Any, str, int, int], waited: float) -> None:
         from .launch import abort_world
 
-        comm, op, seq, tag, since, _ = wait
-        waited = (time.monotonic_ns() - since) / 1e9
+        comm, op, seq, tag = wait
         what = op + (f" of {comm.describe(tag)}" if tag >= 0 else "")
         lines = [
             f"zerompi watchdog: rank {comm.rank} of {comm.size} has waited {waited:.1f} s "
