@@ -23,6 +23,7 @@ busy in the user's code for an hour trips nothing.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import sys
@@ -72,7 +73,7 @@ def resolve_timeout(value: object = None) -> float | None:
 class Watchdog:
     """The process's watchdog (see the module docstring); use :data:`WATCHDOG`.
 
-    The waiting thread only publishes ``current``, ``(comm, op, seq, tag)`` of the
+    The waiting thread only publishes ``current``, ``(comm, op, seq, tag, step)`` of the
     wait in progress or ``None`` (one tuple, replaced whole, so the thread always
     reads a consistent one), and ``last``, the latest wait's tuple: two attribute
     writes per wait. The thread does the clock work: it times a wait from the poll
@@ -80,8 +81,8 @@ class Watchdog:
     after the wait began) and mirrors what it sees into the node's heartbeat."""
 
     def __init__(self) -> None:
-        self.current: tuple[Any, str, int, int] | None = None
-        self.last: tuple[Any, str, int, int] | None = None
+        self.current: tuple[Any, str, int, int, int] | None = None
+        self.last: tuple[Any, str, int, int, int] | None = None
         self._thread: threading.Thread | None = None
         self._poll = 1.0
         self._fired = False
@@ -93,7 +94,7 @@ class Watchdog:
         timeout = comm.timeout
         if timeout is None or comm.size == 1:
             return
-        self.current = self.last = (comm, op, seq, tag)
+        self.current = self.last = (comm, op, seq, tag, comm.step)
         if self._thread is None or timeout < self._poll * 8:
             self._arm(timeout)  # the first wait starts the thread; a shorter timeout polls faster
 
@@ -102,13 +103,22 @@ class Watchdog:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="zerompi-watchdog", daemon=True)
             self._thread.start()
+            atexit.register(self.publish)  # a rank that ends within a poll still reports
+
+    def publish(self) -> None:
+        """Write this rank's state into the node's heartbeat now (the thread does it
+        once per poll; at exit, this shows the others where this rank stopped)."""
+        last = self.last
+        if last is not None and last[0].heartbeat is not None:
+            comm, op, seq, _, step = last
+            comm.heartbeat.mark(seq, op, step, self.current is not None, time.monotonic_ns())
 
     def leave(self) -> None:
         """The wait begun by :meth:`enter` is over."""
         self.current = None
 
     def _run(self) -> None:
-        seen: tuple[Any, str, int, int] | None = None  # the latest wait, as last seen
+        seen: tuple[Any, str, int, int, int] | None = None  # the latest wait, as last seen
         seen_waiting, since = False, 0
         while True:
             time.sleep(self._poll)
@@ -117,8 +127,8 @@ class Watchdog:
             if last is not seen or (wait is not None) != seen_waiting:
                 seen, seen_waiting, since = last, wait is not None, now  # a new state
                 if last is not None and last[0].heartbeat is not None:
-                    comm, op, seq, _ = last
-                    comm.heartbeat.mark(seq, op, comm.step, seen_waiting, now)
+                    comm, op, seq, _, step = last
+                    comm.heartbeat.mark(seq, op, step, seen_waiting, now)
             elif (
                 wait is not None and not self._fired and wait[0].timeout is not None
                 and now - since > wait[0].timeout * 1e9
@@ -126,14 +136,14 @@ class Watchdog:
                 self._fired = True
                 self._fire(wait, (now - since) / 1e9)
 
-    def _fire(self, wait: tuple[Any, str, int, int], waited: float) -> None:
+    def _fire(self, wait: tuple[Any, str, int, int, int], waited: float) -> None:
         from .launch import abort_world
 
-        comm, op, seq, tag = wait
+        comm, op, seq, tag, step = wait
         what = op + (f" of {comm.describe(tag)}" if tag >= 0 else "")
         lines = [
             f"zerompi watchdog: rank {comm.rank} of {comm.size} has waited {waited:.1f} s "
-            f"(timeout {comm.timeout:g} s) in {what}, step {comm.step}, collective call "
+            f"(timeout {comm.timeout:g} s) in {what}, step {step}, collective call "
             f"#{seq}"
         ]
         if comm.heartbeat is not None:
