@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 /* One portable binary that still uses the widest vectors the CPU has: each loop is
@@ -63,6 +64,92 @@ static int variant_auto = V_BASELINE;     /* the best supported: normal calls */
         }                                                                              \
     }
 
+/* Rounding to the 16-bit floats, round to nearest even, bit-identical to numpy's
+ * float16 cast and ml_dtypes' bfloat16 cast for every non-NaN value (a NaN becomes
+ * the quiet NaN of its sign). A double is first rounded to float with round-to-odd,
+ * which keeps the later rounding to 8 or 11 significant bits correct (float has more
+ * than two bits to spare): one rounding, as a direct cast does. */
+static inline uint32_t f32_bits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static inline float bits_f32(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+
+static inline uint16_t
+f32_to_bf16(float x)
+{
+    uint32_t u = f32_bits(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline uint16_t
+f32_to_f16(float x)
+{
+    uint32_t u = f32_bits(x);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint16_t o;
+    if (u >= 0x47800000u) {                  /* >= 65536, inf or NaN */
+        o = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    } else if (u < 0x38800000u) {            /* a subnormal half, or zero */
+        const uint32_t magic = 126u << 23;   /* 0.5f: the FPU rounds to nearest even */
+        o = (uint16_t)(f32_bits(bits_f32(u) + bits_f32(magic)) - magic);
+    } else {
+        const uint32_t odd = (u >> 13) & 1u;
+        u += 0xc8000fffu + odd;              /* rebias the exponent (-112 << 23), round */
+        o = (uint16_t)(u >> 13);
+    }
+    return (uint16_t)(o | (sign >> 16));
+}
+
+static inline float
+f64_to_f32_odd(double x)
+{
+    float f = (float)x;
+    if ((double)f != x && isfinite(x) && isfinite(f)) {
+        uint32_t u = f32_bits(f);
+        if (fabs((double)f) > fabs(x)) u -= 1u; /* rounded away from zero: truncate */
+        f = bits_f32(u | 1u);                  /* the sticky bit */
+    }
+    return f;
+}
+
+static inline uint16_t f64_to_bf16(double x) { return f32_to_bf16(f64_to_f32_odd(x)); }
+static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x)); }
+
+/* The Adam loop that also writes the rounded copy of the updated parameter. */
+#define ADAM_LOW_LOOP(NAME, ATTR, T, SQRT, CONV)                                      \
+    ATTR static void NAME(T *restrict p, const T *restrict g, T *restrict m,             \
+                          T *restrict v, uint16_t *restrict low, Py_ssize_t n,          \
+                          double lr_, double b1_, double b2_, double eps_, double wd_,  \
+                          int decoupled, double bc1_, double bc2_, double div_) {       \
+        const T lr = (T)lr_, b1 = (T)b1_, b2 = (T)b2_, eps = (T)eps_;                  \
+        const T omb1 = (T)(1.0 - b1_), omb2 = (T)(1.0 - b2_);                          \
+        const T wd = (T)wd_, bc1 = (T)bc1_, bc2 = (T)bc2_, div = (T)div_;              \
+        const int divide = div_ != 1.0, l2 = wd_ != 0.0 && !decoupled,                 \
+                  dec = wd_ != 0.0 && decoupled;                                       \
+        for (Py_ssize_t i = 0; i < n; i++) {                                           \
+            T gi = g[i];                                                               \
+            const T pi = p[i];                                                         \
+            if (divide) gi = gi / div;                                                 \
+            if (l2) gi = gi + pi * wd;                                                 \
+            const T mi = m[i] * b1 + gi * omb1;                                        \
+            const T vi = v[i] * b2 + (gi * gi) * omb2;                                 \
+            T u = (mi / bc1) / (SQRT(vi / bc2) + eps);                                 \
+            if (dec) u = u + pi * wd;                                                  \
+            const T pn = pi - u * lr;                                                  \
+            m[i] = mi;                                                                 \
+            v[i] = vi;                                                                 \
+            p[i] = pn;                                                                 \
+            low[i] = CONV(pn);                                                         \
+        }                                                                              \
+    }
+
+/* Only the rounded copy (after a load, or for a kernel-less check). */
+#define ROUND_LOOP(NAME, ATTR, T, CONV)                                                \
+    ATTR static void NAME(const T *restrict p, uint16_t *restrict low, Py_ssize_t n) { \
+        for (Py_ssize_t i = 0; i < n; i++) low[i] = CONV(p[i]);                        \
+    }
+
 #define LANES 16
 #define STATS_LOOP(NAME, ATTR, T)                                                     \
     ATTR static void NAME(const T *restrict g, Py_ssize_t n, Py_ssize_t *nonfinite,   \
@@ -88,14 +175,30 @@ typedef void (*adam_f32_fn)(float *restrict, const float *restrict, float *restr
 typedef void (*adam_f64_fn)(double *restrict, const double *restrict, double *restrict,
                             double *restrict, Py_ssize_t, double, double, double, double,
                             double, int, double, double, double);
+typedef void (*adam_low_f32_fn)(float *restrict, const float *restrict, float *restrict,
+                                float *restrict, uint16_t *restrict, Py_ssize_t, double,
+                                double, double, double, double, int, double, double, double);
+typedef void (*adam_low_f64_fn)(double *restrict, const double *restrict, double *restrict,
+                                double *restrict, uint16_t *restrict, Py_ssize_t, double,
+                                double, double, double, double, int, double, double, double);
+typedef void (*round_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize_t);
+typedef void (*round_f64_fn)(const double *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*stats_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t *, double *);
 typedef void (*stats_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t *, double *);
 
 /* One set of loops per variant (ATTR: its target attribute). */
-#define VARIANT_LOOPS(SUFFIX, ATTR)                          \
-    ADAM_LOOP(adam_float_##SUFFIX, ATTR, float, sqrtf)      \
-    ADAM_LOOP(adam_double_##SUFFIX, ATTR, double, sqrt)     \
-    STATS_LOOP(stats_float_##SUFFIX, ATTR, float)           \
+#define VARIANT_LOOPS(SUFFIX, ATTR)                                            \
+    ADAM_LOOP(adam_float_##SUFFIX, ATTR, float, sqrtf)                        \
+    ADAM_LOOP(adam_double_##SUFFIX, ATTR, double, sqrt)                       \
+    ADAM_LOW_LOOP(adam_float_bf16_##SUFFIX, ATTR, float, sqrtf, f32_to_bf16)  \
+    ADAM_LOW_LOOP(adam_float_f16_##SUFFIX, ATTR, float, sqrtf, f32_to_f16)    \
+    ADAM_LOW_LOOP(adam_double_bf16_##SUFFIX, ATTR, double, sqrt, f64_to_bf16) \
+    ADAM_LOW_LOOP(adam_double_f16_##SUFFIX, ATTR, double, sqrt, f64_to_f16)   \
+    ROUND_LOOP(round_float_bf16_##SUFFIX, ATTR, float, f32_to_bf16)           \
+    ROUND_LOOP(round_float_f16_##SUFFIX, ATTR, float, f32_to_f16)             \
+    ROUND_LOOP(round_double_bf16_##SUFFIX, ATTR, double, f64_to_bf16)         \
+    ROUND_LOOP(round_double_f16_##SUFFIX, ATTR, double, f64_to_f16)           \
+    STATS_LOOP(stats_float_##SUFFIX, ATTR, float)                             \
     STATS_LOOP(stats_double_##SUFFIX, ATTR, double)
 
 #ifdef HAVE_AVX512F
@@ -110,14 +213,27 @@ static adam_f32_fn adam_float_v[N_VARIANTS];
 static adam_f64_fn adam_double_v[N_VARIANTS];
 static stats_f32_fn stats_float_v[N_VARIANTS];
 static stats_f64_fn stats_double_v[N_VARIANTS];
+/* [variant][0: bfloat16, 1: float16] */
+static adam_low_f32_fn adam_float_low_v[N_VARIANTS][2];
+static adam_low_f64_fn adam_double_low_v[N_VARIANTS][2];
+static round_f32_fn round_float_v[N_VARIANTS][2];
+static round_f64_fn round_double_v[N_VARIANTS][2];
 
-#define REGISTER(V, SUFFIX)                        \
-    do {                                           \
-        adam_float_v[V] = adam_float_##SUFFIX;     \
-        adam_double_v[V] = adam_double_##SUFFIX;   \
-        stats_float_v[V] = stats_float_##SUFFIX;   \
-        stats_double_v[V] = stats_double_##SUFFIX; \
-        variant_built[V] = 1;                      \
+#define REGISTER(V, SUFFIX)                                   \
+    do {                                                      \
+        adam_float_v[V] = adam_float_##SUFFIX;                \
+        adam_double_v[V] = adam_double_##SUFFIX;              \
+        adam_float_low_v[V][0] = adam_float_bf16_##SUFFIX;    \
+        adam_float_low_v[V][1] = adam_float_f16_##SUFFIX;     \
+        adam_double_low_v[V][0] = adam_double_bf16_##SUFFIX;  \
+        adam_double_low_v[V][1] = adam_double_f16_##SUFFIX;   \
+        round_float_v[V][0] = round_float_bf16_##SUFFIX;      \
+        round_float_v[V][1] = round_float_f16_##SUFFIX;       \
+        round_double_v[V][0] = round_double_bf16_##SUFFIX;    \
+        round_double_v[V][1] = round_double_f16_##SUFFIX;     \
+        stats_float_v[V] = stats_float_##SUFFIX;              \
+        stats_double_v[V] = stats_double_##SUFFIX;            \
+        variant_built[V] = 1;                                 \
     } while (0)
 
 static void
@@ -185,26 +301,56 @@ element_kind(const Py_buffer *view)
 
 PyDoc_STRVAR(adam_doc,
 "adam(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay,\n"
-"     decoupled, bc1, bc2, divisor, *, variant=None)\n\n"
+"     decoupled, bc1, bc2, divisor, *, variant=None, low=None, low_kind=0)\n\n"
 "One Adam/AdamW step in place on four contiguous 1-D arrays of one dtype\n"
 "(float32 or float64). grad is read only. bc1 and bc2 are the bias corrections\n"
 "1 - beta**t; divisor averages a summed gradient. variant names the compiled loop\n"
-"to run (see variants()); None runs the best one this CPU supports.");
+"to run (see variants()); None runs the best one this CPU supports. low: a\n"
+"contiguous uint16 array of as many elements, into which the same pass writes the\n"
+"updated parameters rounded to nearest even to bfloat16 (low_kind=0) or float16\n"
+"(low_kind=1).");
+
+/* The uint16 array `obj` of `n` elements for a rounded copy, or -1 with an exception. */
+static int
+get_low(PyObject *obj, Py_buffer *view, Py_ssize_t n, int kind)
+{
+    if (kind != 0 && kind != 1) {
+        PyErr_Format(PyExc_ValueError, "low_kind must be 0 (bfloat16) or 1 (float16), got %d",
+                     kind);
+        return -1;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyErr_SetString(PyExc_TypeError, "low must be a writable contiguous uint16 array");
+        return -1;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (view->itemsize != 2 || f[0] != 'H' || view->len != 2 * n) {
+        PyErr_Format(PyExc_ValueError, "low must be %zd uint16 elements, got %zd bytes of '%s'",
+                     n, view->len, view->format);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
 
 static PyObject *
 adam(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_sq", "lr", "beta1",
                              "beta2", "eps", "weight_decay", "decoupled", "bc1", "bc2",
-                             "divisor", "variant", NULL};
-    PyObject *objs[4];
+                             "divisor", "variant", "low", "low_kind", NULL};
+    PyObject *objs[4], *low_obj = Py_None;
     double lr, b1, b2, eps, wd, bc1, bc2, div;
-    int decoupled;
+    int decoupled, low_kind = 0;
     const char *variant_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOdddddpddd|$z", kwlist, &objs[0],
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOdddddpddd|$zOi", kwlist, &objs[0],
                                      &objs[1], &objs[2], &objs[3], &lr, &b1, &b2, &eps, &wd,
-                                     &decoupled, &bc1, &bc2, &div, &variant_name))
+                                     &decoupled, &bc1, &bc2, &div, &variant_name, &low_obj,
+                                     &low_kind))
         return NULL;
+    Py_buffer low_view;
+    int have_low = 0;
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
     static const char *names[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
@@ -232,8 +378,20 @@ adam(PyObject *self, PyObject *args, PyObject *kwargs)
         }
     }
     Py_ssize_t n = views[0].len / views[0].itemsize;
+    if (low_obj != Py_None) {
+        if (get_low(low_obj, &low_view, n, low_kind) < 0) goto done;
+        have_low = 1;
+    }
     Py_BEGIN_ALLOW_THREADS
-    if (kind == 'f')
+    if (have_low && kind == 'f')
+        adam_float_low_v[variant][low_kind](views[0].buf, views[1].buf, views[2].buf,
+                                            views[3].buf, low_view.buf, n, lr, b1, b2, eps,
+                                            wd, decoupled, bc1, bc2, div);
+    else if (have_low)
+        adam_double_low_v[variant][low_kind](views[0].buf, views[1].buf, views[2].buf,
+                                             views[3].buf, low_view.buf, n, lr, b1, b2, eps,
+                                             wd, decoupled, bc1, bc2, div);
+    else if (kind == 'f')
         adam_float_v[variant](views[0].buf, views[1].buf, views[2].buf, views[3].buf, n, lr,
                               b1, b2, eps, wd, decoupled, bc1, bc2, div);
     else
@@ -243,8 +401,51 @@ adam(PyObject *self, PyObject *args, PyObject *kwargs)
     result = Py_None;
     Py_INCREF(result);
 done:
+    if (have_low) PyBuffer_Release(&low_view);
     while (got-- > 0) PyBuffer_Release(&views[got]);
     return result;
+}
+
+PyDoc_STRVAR(round_low_doc,
+"round_low(src, low, low_kind, *, variant=None)\n\n"
+"Write the contiguous float32/float64 array src, rounded to nearest even to\n"
+"bfloat16 (low_kind=0) or float16 (low_kind=1), into the uint16 array low.");
+
+static PyObject *
+round_low(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"src", "low", "low_kind", "variant", NULL};
+    PyObject *src_obj, *low_obj;
+    int low_kind;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOi|$z", kwlist, &src_obj, &low_obj,
+                                     &low_kind, &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
+    Py_buffer src, low;
+    if (get_vector(src_obj, &src, 0, "src") < 0) return NULL;
+    char kind = element_kind(&src);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "src must be float32 or float64, got format '%s'",
+                     src.format);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_ssize_t n = src.len / src.itemsize;
+    if (get_low(low_obj, &low, n, low_kind) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (kind == 'f')
+        round_float_v[variant][low_kind](src.buf, low.buf, n);
+    else
+        round_double_v[variant][low_kind](src.buf, low.buf, n);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&low);
+    PyBuffer_Release(&src);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(grad_stats_doc,
@@ -332,6 +533,8 @@ static PyMethodDef methods[] = {
     {"adam", (PyCFunction)(void (*)(void))adam, METH_VARARGS | METH_KEYWORDS, adam_doc},
     {"grad_stats", (PyCFunction)(void (*)(void))grad_stats, METH_VARARGS | METH_KEYWORDS,
      grad_stats_doc},
+    {"round_low", (PyCFunction)(void (*)(void))round_low, METH_VARARGS | METH_KEYWORDS,
+     round_low_doc},
     {"variants", variants, METH_NOARGS, variants_doc},
     {"compiled", compiled, METH_NOARGS, compiled_doc},
     {NULL, NULL, 0, NULL},

@@ -148,6 +148,7 @@ def adam_step(
     divisor: float = 1.0,
     kernel: str | None = None,
     variant: str | None = None,
+    low: np.ndarray | None = None,
 ) -> None:
     """One Adam step on 1-D views of equal length, in place.
 
@@ -155,7 +156,10 @@ def adam_step(
     1-based step count used for bias correction; ``divisor`` averages a gradient that
     was summed over ranks and micro-batches. ``kernel`` overrides :data:`KERNEL`;
     views that are not contiguous take the numpy kernel. ``variant`` (one of
-    :data:`VARIANTS`) overrides :data:`VARIANT` for the C kernel.
+    :data:`VARIANTS`) overrides :data:`VARIANT` for the C kernel. ``low`` (bfloat16
+    or float16, as long as ``param``) receives the updated parameters rounded to
+    nearest even, in the same pass (the numpy kernel: block by block, while the
+    block is in cache), bit-identical to numpy's/ml_dtypes' cast.
     """
     c = config
     bc1 = 1.0 - c.beta1**step
@@ -164,12 +168,19 @@ def adam_step(
         kernel = _choose_kernel(kernel)
     if (kernel or KERNEL) == "c" and all(
         a.flags.c_contiguous for a in (param, grad, exp_avg, exp_avg_sq)
-    ):
-        _kernels.adam(
-            param, grad, exp_avg, exp_avg_sq, c.lr, c.beta1, c.beta2, c.eps,
-            c.weight_decay, c.decoupled, bc1, bc2, float(divisor),
-            variant=variant or VARIANT,
-        )  # fmt: skip
+    ) and (low is None or low.flags.c_contiguous):  # fmt: skip
+        if low is None:
+            _kernels.adam(
+                param, grad, exp_avg, exp_avg_sq, c.lr, c.beta1, c.beta2, c.eps,
+                c.weight_decay, c.decoupled, bc1, bc2, float(divisor),
+                variant=variant or VARIANT,
+            )  # fmt: skip
+        else:
+            _kernels.adam(
+                param, grad, exp_avg, exp_avg_sq, c.lr, c.beta1, c.beta2, c.eps,
+                c.weight_decay, c.decoupled, bc1, bc2, float(divisor),
+                variant=variant or VARIANT, low=low.view(np.uint16), low_kind=_low_kind(low),
+            )  # fmt: skip
         return
     n = param.shape[0]
     for lo in range(0, n, scratch.shape[0]):
@@ -198,6 +209,30 @@ def adam_step(
             np.add(g, t, out=g)
         np.multiply(g, c.lr, out=g)
         np.subtract(p, g, out=p)
+        if low is not None:
+            np.copyto(low[lo:hi], p, casting="unsafe")
+
+
+def _low_kind(low: np.ndarray) -> int:
+    """The C kernel's code of a 16-bit dtype: 0 bfloat16, 1 float16."""
+    if low.dtype == np.float16:
+        return 1
+    if low.dtype.name == "bfloat16":
+        return 0
+    raise TypeError(f"low must be bfloat16 or float16, got {low.dtype}")
+
+
+def round_low(
+    src: np.ndarray, low: np.ndarray, kernel: str | None = None, variant: str | None = None
+) -> None:
+    """``low[...] = src`` rounded to nearest even (``low`` bfloat16 or float16): what
+    :func:`adam_step` writes, for a copy made outside a step (initial values, a load)."""
+    if kernel is not None and kernel != KERNEL:
+        kernel = _choose_kernel(kernel)
+    if (kernel or KERNEL) == "c" and src.flags.c_contiguous and low.flags.c_contiguous:
+        _kernels.round_low(src, low.view(np.uint16), _low_kind(low), variant=variant or VARIANT)
+    else:
+        np.copyto(low, src, casting="unsafe")
 
 
 #: Elements per ``np.dot`` in :func:`grad_stats`: bounds the float32 accumulation error

@@ -32,9 +32,10 @@ class FlatArrays(Mapping[str, np.ndarray]):
     shape and dtype, so the flat storage can never be swapped out from under the
     optimizer."""
 
-    def __init__(self, views: dict[str, np.ndarray], what: str) -> None:
+    def __init__(self, views: dict[str, np.ndarray], what: str, read_only: bool = False) -> None:
         self._views = views
         self._what = what
+        self._read_only = read_only
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._views[name]
@@ -48,6 +49,12 @@ class FlatArrays(Mapping[str, np.ndarray]):
     def __setitem__(self, name: str, value: np.ndarray) -> None:
         if name not in self._views:
             raise KeyError(f"no {self._what} named {name!r}")
+        if self._read_only:
+            raise ValueError(
+                f"{self._what} {name!r} is the model's rounded copy (param_dtype): writing "
+                "it would not change the master copy Adam updates. Pass initial values "
+                "to the constructor, or load a checkpoint"
+            )
         view = self._views[name]
         if not isinstance(value, np.ndarray):
             raise TypeError(f"{self._what} {name!r} must be a numpy array, got {type(value)}")

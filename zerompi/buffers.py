@@ -10,11 +10,13 @@ that ranks on one node reduce through memory instead of messages.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from .adam import BLOCK
+from .precision import Precision, is_half
 
 if TYPE_CHECKING:
     from .mpi.collectives import Comm
@@ -35,17 +37,27 @@ CATEGORIES = (
 
 
 class PlannedBuffer(NamedTuple):
-    """One buffer of an optimizer's plan: ``count`` elements of ``dtype``."""
+    """One buffer of an optimizer's plan: ``count`` elements of ``dtype``, for the
+    parameters whose master dtype is ``group`` (``None``: ``dtype``)."""
 
     kind: str  # what it holds: "params", "grads", "exp_avg", ...
     dtype: np.dtype
     count: int
     category: str  # one of CATEGORIES
+    group: np.dtype | None = None
+
+    @property
+    def master(self) -> np.dtype:
+        """The master dtype of the parameters it serves: the optimizer's store key."""
+        return self.dtype if self.group is None else self.group
 
     @property
     def name(self) -> str:
-        """The pool name, e.g. ``"grad_bucket.float32"``."""
-        return f"{self.kind}.{self.dtype.name}"
+        """The pool name, e.g. ``"grad_bucket.float32"`` (``"params.float32.bfloat16"``
+        for bfloat16 copies of float32 parameters)."""
+        if self.master == self.dtype:
+            return f"{self.kind}.{self.dtype.name}"
+        return f"{self.kind}.{self.master.name}.{self.dtype.name}"
 
     @property
     def nbytes(self) -> int:
@@ -56,54 +68,78 @@ class PlannedBuffer(NamedTuple):
 #: one's gradients are being added.
 OVERLAP_SLOTS = 2
 
+#: Buckets of stages 0-1 reduced at once in ``step()`` (``reducer.REDUCE_WINDOW``):
+#: receive buffers a 16-bit reduction needs.
+REDUCE_SLOTS = 2
 
-def buffer_plan(layout: Layout, stage: int, overlap: bool = True) -> list[PlannedBuffer]:
+
+def buffer_plan(
+    layout: Layout, stage: int, overlap: bool = True,
+    precisions: Mapping[np.dtype, Precision] | None = None, shared_memory: bool = False,
+) -> list[PlannedBuffer]:  # fmt: skip
     """Every buffer a ``ZeroOptimizer`` of ``stage`` allocates at construction on the
     rank of ``layout``, in allocation order: the one description that the optimizer
     allocates from and :mod:`zerompi.memory` estimates from.
 
-    Per dtype: the parameters (full in stages 0-2, the shard in 3), the gradients
-    (full in 0-1, the shard in 2-3), gradient staging (2-3: two buckets with
-    ``overlap``, else one), one bucket of parameter gathering (3), the two Adam
-    moments over what Adam runs on (everything in stage 0, the shard otherwise) and
-    the Adam kernel's scratch block.
+    Per master dtype ``M`` (the arrays' own), with ``P``/``R`` the parameter and
+    reduce dtypes (:mod:`zerompi.precision`; ``M`` by default): the parameters the
+    model reads in ``P`` (full in stages 0-2; in 3 the shard, kept in ``M``, plus its
+    ``P`` copy when ``P`` differs); the master copy in ``M`` when ``P`` differs (all
+    of it in stage 0, the shard in 1-2); the gradients the model adds into, in ``R``
+    (full in 0-1; 2-3 stage them in buckets, two with ``overlap``, else one); the
+    reduced gradient in ``M`` (the shard in 2-3, and in 0-1 when ``R`` differs: the
+    shard in 1, all in 0); where ``R`` is 16-bit and the reduction goes through MPI,
+    a receive buffer per staging bucket for every rank's part; one bucket of
+    parameter gathering in ``P`` (3); the two Adam moments in ``M`` over what Adam
+    runs on (everything in stage 0, the shard otherwise) and the Adam kernel's
+    scratch block.
     """
     plan: list[PlannedBuffer] = []
     for dtype, size in layout.sizes.items():
+        prec = precisions[dtype] if precisions else Precision(dtype, dtype, dtype)
+        p_dt, r_dt = prec.param, prec.reduce
         shard = layout.shard_sizes[dtype]
         local = size if stage == 0 else shard  # what Adam runs on
-        plan.append(
-            PlannedBuffer("params", dtype, shard if stage == 3 else size, "parameter_partitions")
-        )
-        plan.append(
-            PlannedBuffer("grads", dtype, size if stage <= 1 else shard, "gradient_partitions")
-        )
-        if stage >= 2:
-            plan.append(
-                PlannedBuffer(
-                    "grad_bucket",
-                    dtype,
-                    layout.max_bucket(dtype) * (OVERLAP_SLOTS if overlap else 1),
-                    "communication_buffers",
-                )
-            )
+        slots = OVERLAP_SLOTS if overlap else 1
+
+        def add(kind: str, dt: np.dtype, count: int, category: str, g: np.dtype = dtype) -> None:
+            plan.append(PlannedBuffer(kind, dt, count, category, g))
+
         if stage == 3:
-            plan.append(
-                PlannedBuffer(
-                    "param_bucket", dtype, layout.max_bucket(dtype), "communication_buffers"
-                )
-            )
+            add("params", dtype, shard, "parameter_partitions")
+            if prec.low_params:
+                add("params_low", p_dt, shard, "parameter_partitions")
+        else:
+            add("params", p_dt, size, "parameter_partitions")
+            if prec.low_params:
+                add("master", dtype, local, "parameter_partitions")
+        if stage <= 1:
+            add("grads", r_dt, size, "gradient_partitions")
+            if prec.low_grads:
+                add("grads_reduced", dtype, local, "gradient_partitions")
+        else:
+            add("grads", dtype, shard, "gradient_partitions")
+            add("grad_bucket", r_dt, layout.max_bucket(dtype) * slots, "communication_buffers")
+        if is_half(r_dt) and not (shared_memory and stage >= 2):
+            parts = (slots if stage >= 2 else REDUCE_SLOTS) * layout.world_size
+            add("grad_recv", r_dt, parts * layout.max_part(dtype), "communication_buffers")
+        if stage == 3:
+            add("param_bucket", p_dt, layout.max_bucket(dtype), "communication_buffers")
         for kind in ("exp_avg", "exp_avg_sq"):
-            plan.append(PlannedBuffer(kind, dtype, local, "optimizer_states"))
-        plan.append(PlannedBuffer("scratch", dtype, min(BLOCK, max(local, 1)), "scratch"))
+            add(kind, dtype, local, "optimizer_states")
+        add("scratch", dtype, min(BLOCK, max(local, 1)), "scratch")
     return plan
 
 
-def full_grads_plan(layout: Layout) -> list[PlannedBuffer]:
-    """The full-size gradient buffers a stage-2 optimizer adds the first time
-    ``opt.grads`` is used (the non-streamed hand-over; see ``ZeroOptimizer.grads``)."""
+def full_grads_plan(
+    layout: Layout, precisions: Mapping[np.dtype, Precision] | None = None
+) -> list[PlannedBuffer]:
+    """The full-size gradient buffers (in the reduce dtype) a stage-2 optimizer adds
+    the first time ``opt.grads`` is used (the non-streamed hand-over; see
+    ``ZeroOptimizer.grads``)."""
+    reduce = {d: precisions[d].reduce if precisions else d for d in layout.sizes}
     return [
-        PlannedBuffer("grads_full", dtype, size, "communication_buffers")
+        PlannedBuffer("grads_full", reduce[dtype], size, "communication_buffers", dtype)
         for dtype, size in layout.sizes.items()
     ]
 

@@ -78,6 +78,7 @@ class HandOver:
     _staging_blocks: list[list[Block | None]]
     _lookups: dict[tuple[str, ...], tuple[int, list[str], bool]]
     _closed: bool
+    precisions: dict[np.dtype, Any]
 
     def _prepare_handover(self, stores: Mapping[str, Mapping[np.dtype, np.ndarray]]) -> None:
         """What makes a hand-over O(1): name lookups and the views handed out, cached
@@ -95,9 +96,15 @@ class HandOver:
                 stores["param_bucket"][b.dtype][: b.size] for b in layout.buckets
             ]
             self._gather_plans = [  # from the master shard straight into the buffer
-                comm.plan_allgatherv(buf, b.counts, b.displs, i, send=self.parts[i].param)
+                comm.plan_allgatherv(buf, b.counts, b.displs, i, send=self._gather_source(i))
                 for i, (b, buf) in enumerate(zip(layout.buckets, self._gather_bufs, strict=True))
             ]
+
+    def _gather_source(self, index: int) -> np.ndarray:
+        """What stage 3 gathers bucket ``index`` from: this rank's shard, or its
+        rounded copy with a narrower ``param_dtype``."""
+        part = self.parts[index]
+        return part.param if part.low is None else part.low
 
     def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
         spec = self._specs[name]
@@ -178,8 +185,8 @@ class HandOver:
     def _full_grads(self) -> dict[np.dtype, np.ndarray]:
         """Stage 2's full gradient buffers (``opt.grads``), allocated on first use."""
         full = {
-            buf.dtype: self.pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
-            for buf in full_grads_plan(self.layout)
+            buf.master: self.pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
+            for buf in full_grads_plan(self.layout, self.precisions)
         }
         self._grads = FlatArrays({n: self._view(full, n) for n in self._order}, "gradient")
         return full

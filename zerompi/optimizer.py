@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,12 +39,14 @@ from .arrays import FlatArrays, check_failure_settings, check_params
 from .buffers import OVERLAP_SLOTS, BufferPool, buffer_plan
 from .gather import MPIGather, NoGather, SharedGather
 from .handover import HandOver
+from .initial import initialize, initialize_by_bucket
 from .mpi.agreement import CollectiveError, agree_step
 from .mpi.collectives import Comm
 from .mpi.launch import check_world, install_abort_hook
 from .mpi.watchdog import resolve_timeout
 from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_layout
-from .plan import bucket_parts, runs, shard_of, stage_plan
+from .plan import bucket_parts, runs, stage_plan
+from .precision import loss_scale_of, precisions, resolve_dtype
 from .reducer import FullReducer, StreamReducer
 from .state import PHASES, OptimizerState
 
@@ -106,6 +108,9 @@ class ZeroOptimizer(HandOver, OptimizerState):
         overlap: bool = True,
         shared_memory: bool = False,
         timeout: float | str | None = None,
+        param_dtype: object = None,
+        reduce_dtype: object = None,
+        loss_scale: object = None,
     ) -> None:
         install_abort_hook()  # an uncaught exception on any rank aborts the whole job
         self.comm = Comm(comm, timeout=0)  # the watchdog is armed once settings agree
@@ -113,6 +118,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         specs: list[tuple[str, tuple[int, ...], np.dtype]] = []
         keys: list[str] = []
         seconds: float | None = None
+        dtypes: tuple[str | None, str | None] = (None, None)
         try:
             check_world()
             specs = check_params(params)
@@ -131,6 +137,16 @@ class ZeroOptimizer(HandOver, OptimizerState):
                 if not isinstance(flag, bool):
                     raise TypeError(f"{name} must be a bool, got {flag!r:.60}")
             seconds = resolve_timeout(timeout)
+            p_dt = resolve_dtype(param_dtype, "param_dtype")
+            r_dt = resolve_dtype(reduce_dtype, "reduce_dtype")
+            self.precisions = precisions(list(self.layout.sizes), p_dt, r_dt)
+            self.scaler = loss_scale_of(loss_scale, r_dt)
+            if self.scaler is not None and self.scaler.dynamic and nonfinite == "raise":
+                raise ValueError(
+                    "nonfinite='raise' with dynamic loss scaling: an overflow is how the "
+                    "scale learns to come down; use nonfinite='skip' (the default)"
+                )
+            dtypes = tuple(d.name if d is not None else None for d in (p_dt, r_dt))
         except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         comm_ = self.comm
@@ -148,6 +164,10 @@ class ZeroOptimizer(HandOver, OptimizerState):
         )
         comm_.check_same((overlap, shared_memory), "(overlap, shared_memory)")
         comm_.check_same(seconds, "the watchdog timeout (timeout or ZEROMPI_TIMEOUT)")
+        comm_.check_same(
+            (dtypes, None if self.scaler is None else (self.scaler.scale, self.scaler.dynamic)),
+            "the precision settings (param_dtype, reduce_dtype, loss_scale)",
+        )
         comm_.timeout = seconds
         comm_.enable_heartbeat()
         comm_.describe = self._describe
@@ -181,34 +201,34 @@ class ZeroOptimizer(HandOver, OptimizerState):
         pool = self.pool = BufferPool()
         layout, stage, comm = self.layout, self.stage, self.comm
         stores: dict[str, dict[np.dtype, np.ndarray]] = {}
-        for buf in buffer_plan(layout, stage, self.overlap):
+        plan = buffer_plan(layout, stage, self.overlap, self.precisions, self.shared_memory)
+        for buf in plan:
             shared = comm if buf.kind in self.plan.shared_kinds else None
-            stores.setdefault(buf.kind, {})[buf.dtype] = pool.zeros(
+            stores.setdefault(buf.kind, {})[buf.master] = pool.zeros(
                 buf.name, buf.count, buf.dtype, buf.category, shared=shared
             )
         self._stores = stores
         self._flat = stores["params"]  # full params (0-2) or shard (3)
         self._specs = {spec.name: spec for spec in layout.params}
+        self.parts = bucket_parts(self.plan, layout, stores)
         if self.plan.full_params:
             views = {n: self._view(self._flat, n) for n in self._order}
-            self._params = FlatArrays(views, "parameter")
-            self._initialize(params, list(self._order), lambda name: views[name])
+            low = any(p.low_params for p in self.precisions.values())
+            for view in views.values() if low else ():
+                view.flags.writeable = False  # a rounded copy: writing it would not stick
+            self._params = FlatArrays(views, "parameter", read_only=low)
+        if self.plan.full_params and not low:
+            initialize(comm, params, list(self._order), lambda name: views[name])
             for index, flat in enumerate(self._flat.values()):
                 comm.bcast_inplace(flat, root=0, tag=-2 - index)
         else:
-            gather = stores["param_bucket"]
-            for i, bucket in enumerate(layout.buckets):  # rank 0's values, bucket by bucket
-                buf = gather[bucket.dtype][: bucket.size]
-                self._initialize(
-                    params, bucket.names, lambda n, b=bucket, f=buf: self._bucket_view(f, b, n)
-                )
-                comm.bcast_inplace(buf, root=0, tag=i)
-                shard_of(self._flat, layout, i)[...] = buf[slice(*bucket.local(comm.rank))]
-        self.parts = bucket_parts(self.plan, layout, stores)
+            initialize_by_bucket(comm, layout, self.parts, params, self._bucket_view)
         # One kernel call per run of buckets contiguous in memory, unless each
         # bucket's gather must start as soon as its part is updated.
         merge = self.plan.gather != "allgatherv"
-        self._adam_runs = runs(self.parts, ("param", "grad", "exp_avg", "exp_avg_sq"), merge)
+        self._adam_runs = runs(
+            self.parts, ("param", "grad", "exp_avg", "exp_avg_sq", "low"), merge
+        )
         self._stats_runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.parts)
         for run in runs(self.parts, ("stats",), merge=True):
             self._stats_runs[run.last] = (run.arrays[0], run.scratch)
@@ -235,26 +255,6 @@ class ZeroOptimizer(HandOver, OptimizerState):
             self.gatherer = SharedGather(comm, layout, segments)
         else:
             self.gatherer = NoGather()
-
-    def _initialize(
-        self,
-        params: Mapping[str, np.ndarray | Deferred],
-        names: Sequence[str],
-        target: Callable[[str], np.ndarray],
-    ) -> None:
-        """Collective: rank 0 writes the initial values of ``names`` into ``target(name)``
-        (the caller broadcasts them); a failing ``init`` raises on every rank."""
-        error = None
-        if self.comm.rank == 0:
-            try:
-                for name in names:
-                    value = params[name]
-                    if isinstance(value, Deferred):
-                        value = value.materialize(name)
-                    np.copyto(target(name), value, casting="same_kind")
-            except Exception as exc:
-                error = exc
-        self.comm.agree(error)
 
     def _describe(self, index: int) -> str:
         """Bucket ``index`` in words, for error messages and the watchdog."""
@@ -367,12 +367,12 @@ class ZeroOptimizer(HandOver, OptimizerState):
         adam_s = gather_s = 0.0
         step_count, config, gatherer = self.step_count, self.config, self.gatherer
         for run in self._adam_runs:
-            (param, grad, m, v), scratch = run.arrays, run.scratch
+            (param, grad, m, v, low), scratch = run.arrays, run.scratch
             for lo in range(0, param.shape[0], ADAM_CHUNK):
                 hi = lo + ADAM_CHUNK
                 t1 = clock()
                 adam_step(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step_count, config,
-                          scratch, divisor)  # fmt: skip
+                          scratch, divisor, low=None if low is None else low[lo:hi])  # fmt: skip
                 t2 = clock()
                 adam_s += t2 - t1
                 gatherer.progress()

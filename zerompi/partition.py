@@ -260,6 +260,11 @@ class Layout:
         """Elements of the largest bucket of ``dtype``: the size of a staging buffer."""
         return max((b.size for b in self.buckets if b.dtype == dtype), default=0)
 
+    def max_part(self, dtype: np.dtype) -> int:
+        """Elements of the largest shard of any bucket of ``dtype`` on any rank: what
+        a 16-bit reduction receives from each rank."""
+        return max((max(b.counts) for b in self.buckets if b.dtype == dtype), default=0)
+
 
 #: Default bucket size in elements (16 MiB of float32): large enough that the
 #: per-collective latency is negligible, small enough to bound staging buffers.

@@ -91,6 +91,10 @@ class Part(NamedTuple):
     full_param: np.ndarray | None
     #: The whole bucket of the full gradient buffer (stages 0-1), what is reduced.
     full_grad: np.ndarray | None
+    #: Where Adam writes the updated ``param`` rounded to the parameter dtype, when
+    #: that is narrower than the master's (the model's copy: part of ``full_param`` in
+    #: stages 0-2, the 16-bit shard that stage 3 gathers from); else None.
+    low: np.ndarray | None = None
 
 
 def shard_of(store: Store, layout: Layout, index: int) -> np.ndarray:
@@ -101,29 +105,52 @@ def shard_of(store: Store, layout: Layout, index: int) -> np.ndarray:
 
 
 def bucket_parts(plan: StagePlan, layout: Layout, stores: Mapping[str, Store]) -> list[Part]:
-    """Every bucket's :class:`Part` over the optimizer's buffers (``stores`` by kind:
-    ``params``, ``grads``, ``exp_avg``, ``exp_avg_sq``, ``scratch``)."""
+    """Every bucket's :class:`Part` over the optimizer's buffers (``stores`` by kind,
+    then master dtype: ``params``, ``grads``, ``exp_avg``, ``exp_avg_sq``,
+    ``scratch``, and with mixed precision ``master``, ``params_low``,
+    ``grads_reduced``; see :func:`zerompi.buffers.buffer_plan`)."""
     parts = []
     params, grads = stores["params"], stores["grads"]
+    master, params_low = stores.get("master", {}), stores.get("params_low", {})
+    reduced = stores.get("grads_reduced", {})
     for index, bucket in enumerate(layout.buckets):
         dtype, (lo, hi) = bucket.dtype, bucket.local(layout.rank)
         whole = slice(bucket.start, bucket.stop)
+        mine = slice(bucket.shard_offset, bucket.shard_offset + hi - lo)
         full_param = params[dtype][whole] if plan.full_params else None
         full_grad = grads[dtype][whole] if plan.full_grads else None
+        low: np.ndarray | None = None
         if plan.stage == 0:  # everything everywhere; count each element once
-            grad, stats, param, moments = full_grad, full_grad[lo:hi], full_param, whole
+            moments = whole
+            grad = reduced[dtype][whole] if dtype in reduced else full_grad
+            param = full_param
+            if dtype in master:
+                param, low = master[dtype][whole], full_param
+            stats = grad[lo:hi]  # type: ignore[index]
         else:
-            # stage 1 reduces in place: the shard lands at the top of the bucket
-            grad = full_grad[: hi - lo] if full_grad is not None else shard_of(grads, layout, index)
+            moments = mine
+            if full_grad is None:
+                grad = shard_of(grads, layout, index)
+            elif dtype in reduced:
+                grad = reduced[dtype][mine]
+            else:  # stage 1 reduces in place: the shard lands at the top of the bucket
+                grad = full_grad[: hi - lo]
             stats = grad
-            param = full_param[lo:hi] if full_param is not None else shard_of(params, layout, index)
-            moments = slice(bucket.shard_offset, bucket.shard_offset + hi - lo)
+            if full_param is not None:
+                param = full_param[lo:hi]
+                if dtype in master:
+                    param, low = master[dtype][mine], param
+            else:
+                param = shard_of(params, layout, index)
+                if dtype in params_low:
+                    low = shard_of(params_low, layout, index)
         exp_avg = stores["exp_avg"][dtype][moments]
         exp_avg_sq = stores["exp_avg_sq"][dtype][moments]
         scratch = stores["scratch"][dtype]
-        parts.append(
-            Part(index, grad, stats, param, exp_avg, exp_avg_sq, scratch, full_param, full_grad)
-        )
+        part = Part(
+            index, grad, stats, param, exp_avg, exp_avg_sq, scratch, full_param, full_grad, low
+        )  # type: ignore[arg-type]
+        parts.append(part)
     return parts
 
 
@@ -137,7 +164,9 @@ class Run(NamedTuple):
     scratch: np.ndarray  # the kernel's scratch block of the run's dtype
 
 
-def _continues(a: np.ndarray, b: np.ndarray) -> bool:
+def _continues(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is b
     return a.dtype == b.dtype and a.ctypes.data + a.nbytes == b.ctypes.data
 
 
@@ -152,9 +181,10 @@ def runs(parts: list[Part], fields: tuple[str, ...], merge: bool) -> list[Run]:
             _continues(a, b) for a, b in zip(out[-1].arrays, arrays, strict=True)
         ):
             joined = tuple(
+                None if a is None else
                 as_strided(a, shape=(a.size + b.size,), strides=(a.itemsize,), writeable=True)
                 for a, b in zip(out[-1].arrays, arrays, strict=True)
-            )  # same buffer, continuing: one longer view of it
+            )  # same buffer, continuing: one longer view of it  # fmt: skip
             out[-1] = Run(part.index, joined, part.scratch)
         else:
             out.append(Run(part.index, arrays, part.scratch))

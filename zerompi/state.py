@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .adam import round_low
 from .plan import shard_of
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from .buffers import BufferPool
     from .mpi.collectives import Comm
     from .partition import Layout
-    from .plan import StagePlan
+    from .plan import Part, StagePlan
 
 PHASES = ("reduce_scatter", "adam", "allgather")
 
@@ -39,6 +40,7 @@ class OptimizerState:
     _order: list[str]
     _stores: dict[str, dict[np.dtype, np.ndarray]]
     _specs: dict[str, Any]
+    parts: list[Part]
 
     def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
         raise NotImplementedError
@@ -63,12 +65,24 @@ class OptimizerState:
         """Bytes per named buffer (``grad_bucket.float32``, ``exp_avg.float32``, ...)."""
         return self.pool.buffers()
 
+    def _masters(self) -> dict[np.dtype, np.ndarray]:
+        """Per master dtype, the buffer of the master parameters: full on every rank
+        where :meth:`_master_is_full`, else this rank's shards."""
+        low = self._stores.get("master", {})
+        return {d: low.get(d, flat) for d, flat in self._stores["params"].items()}
+
+    def _master_is_full(self, dtype: np.dtype) -> bool:
+        separate = dtype in self._stores.get("master", {})  # a narrower param_dtype
+        return self.stage == 0 or (self.plan.full_params and not separate)
+
     def full_params(self) -> dict[str, np.ndarray]:
-        """Collective: a copy of every full parameter, on every rank (any stage)."""
-        if self.plan.full_params:
+        """Collective: a copy of every full parameter in its master dtype (the arrays'
+        own, whatever ``param_dtype``), on every rank (any stage)."""
+        masters = self._masters()
+        if all(self._master_is_full(d) for d in masters):
             self.comm.barrier()  # collective at every stage: `if rank == 0:` fails alike
-            return {n: self._view(self._stores["params"], n).copy() for n in self._order}
-        return self._gather_full(self._stores["params"])
+            return {n: self._view(masters, n).copy() for n in self._order}
+        return self._gather_full(masters, {d for d in masters if self._master_is_full(d)})
 
     def gather_state(self) -> dict[str, dict[str, np.ndarray]]:
         """Collective: the full (unsharded) ``exp_avg`` and ``exp_avg_sq`` of every
@@ -82,12 +96,18 @@ class OptimizerState:
             }
         return {kind: self._gather_full(self._stores[kind]) for kind in ("exp_avg", "exp_avg_sq")}
 
-    def _gather_full(self, shards: Mapping[np.dtype, np.ndarray]) -> dict[str, np.ndarray]:
+    def _gather_full(
+        self, shards: Mapping[np.dtype, np.ndarray], whole: set[np.dtype] | frozenset = frozenset()
+    ) -> dict[str, np.ndarray]:
+        """Full copies from ``shards`` (those of dtypes in ``whole`` are full already)."""
         full = {dtype: np.zeros(size, dtype) for dtype, size in self.layout.sizes.items()}
         traffic, self.comm.traffic = self.comm.traffic, {}  # not training traffic
         try:
             for index, bucket in enumerate(self.layout.buckets):
                 part = full[bucket.dtype][bucket.start : bucket.stop]
+                if bucket.dtype in whole:
+                    part[...] = shards[bucket.dtype][bucket.start : bucket.stop]
+                    continue
                 part[slice(*bucket.local(self.comm.rank))] = shard_of(shards, self.layout, index)
                 self.comm.allgatherv_inplace(part, bucket.counts, bucket.displs, tag=index)
         finally:
@@ -113,10 +133,10 @@ class OptimizerState:
         layout, rank = self.layout, self.comm.rank
         out = []
         for kind in STATE_KINDS:
-            store = self._stores[kind]
-            full = self.stage == 0 or (kind == "params" and self.plan.full_params)
+            store = self._masters() if kind == "params" else self._stores[kind]
             for index, bucket in enumerate(layout.buckets):
                 lo, hi = bucket.local(rank)
+                full = self.stage == 0 or (kind == "params" and self._master_is_full(bucket.dtype))
                 if full:
                     shard = store[bucket.dtype][bucket.start + lo : bucket.start + hi]
                 else:
@@ -128,16 +148,23 @@ class OptimizerState:
         """Collective: after :meth:`state_shards` were overwritten (a load), make every
         rank's full copies whole again (gathered, not counted as training traffic)
         and discard accumulated gradients."""
-        kinds = STATE_KINDS if self.stage == 0 else ("params",) if self.plan.full_params else ()
-        comm = self.comm
+        comm, masters = self.comm, self._masters()
         traffic, comm.traffic = comm.traffic, {}
         try:
-            for kind in kinds:
-                for index, bucket in enumerate(self.layout.buckets):
+            buckets = self.layout.buckets
+            for index, (bucket, part) in enumerate(zip(buckets, self.parts, strict=True)):
+                whole = slice(bucket.start, bucket.stop)
+                if self.stage == 0:  # everything everywhere, the master included
+                    for store in (masters, self._stores["exp_avg"], self._stores["exp_avg_sq"]):
+                        comm.allgatherv_inplace(
+                            store[bucket.dtype][whole], bucket.counts, bucket.displs, tag=index
+                        )
+                if part.low is not None:  # the model's rounded copy of what was loaded
+                    round_low(part.param, part.low)
+                if self.stage in (1, 2):  # every rank's full copy of the parameters
                     comm.allgatherv_inplace(
-                        self._stores[kind][bucket.dtype][bucket.start : bucket.stop],
-                        bucket.counts, bucket.displs, tag=index,
-                    )  # fmt: skip
+                        part.full_param, bucket.counts, bucket.displs, tag=index
+                    )
         finally:
             comm.traffic = traffic
         self._discard()

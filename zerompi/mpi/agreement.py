@@ -29,7 +29,7 @@ class CollectiveError(ValueError):
 
 
 #: Operation codes in a fingerprint (ints: their hash is the same in every process).
-OPS = ("reduce_scatter", "allgatherv", "allreduce", "bcast")
+OPS = ("reduce_scatter", "allgatherv", "allreduce", "bcast", "alltoallv")
 OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 _MASK26 = (1 << 26) - 1

@@ -30,11 +30,24 @@ from .watchdog import WATCHDOG, resolve_timeout
 
 __all__ = ["CollectiveError", "Comm", "Pending", "Planned"]
 
-_RS, _AG, _AR, _BC = (OP_CODE[op] for op in ("reduce_scatter", "allgatherv", "allreduce", "bcast"))
+_RS, _AG, _AR, _BC, _A2A = (
+    OP_CODE[op] for op in ("reduce_scatter", "allgatherv", "allreduce", "bcast", "alltoallv")
+)
 
 
 def _mpi_type(array: np.ndarray) -> MPI.Datatype:
-    return MPI_TYPES[array.dtype]
+    mpi_type = MPI_TYPES.get(array.dtype)
+    if mpi_type is None:
+        raise TypeError(
+            f"no MPI type for {array.dtype}: 16-bit floats are moved as uint16 (_wire) "
+            "and never summed by MPI"
+        )
+    return mpi_type
+
+
+def _wire(array: np.ndarray) -> np.ndarray:
+    """``array`` as MPI moves it: a 16-bit float (bfloat16 has no MPI type) as uint16."""
+    return array.view(np.uint16) if array.dtype.itemsize == 2 else array
 
 
 class Comm(FileIO, Agreement):
@@ -183,8 +196,7 @@ class Comm(FileIO, Agreement):
         ``counts[rank]`` elements, kept elsewhere: MPI copies them in, which saves the
         caller a copy per call)."""
         self._check_fits(buf, counts, displs)
-        mpi_type, mine, size = _mpi_type(buf), counts[self.rank], buf.itemsize
-        spec = [buf, list(counts), list(displs), mpi_type]
+        mine, size = counts[self.rank], buf.itemsize
         source: Any = MPI.IN_PLACE
         if send is not None:
             if send.shape != (mine,) or send.dtype != buf.dtype or not send.flags.c_contiguous:
@@ -192,12 +204,42 @@ class Comm(FileIO, Agreement):
                     f"send must be {mine} contiguous elements of {buf.dtype}, got "
                     f"{send.shape} {send.dtype}"
                 )
-            source = [send, mpi_type]
+            send = _wire(send)
+            source = [send, _mpi_type(send)]
+        buf = _wire(buf)
+        spec = [buf, list(counts), list(displs), _mpi_type(buf)]
         return Planned(
             self, "allgatherv", _AG, tag, buf.shape[0], buf,
             lambda: self.mpi.Iallgatherv(source, spec),
             (self.size - 1) * mine * size, (sum(counts) - mine) * size,
             lambda: self.mpi.Allgatherv(source, spec),
+        )  # fmt: skip
+
+    def plan_alltoallv(
+        self, buf: np.ndarray, counts: Sequence[int], displs: Sequence[int],
+        recv: np.ndarray, tag: int = -1,
+    ) -> Planned:  # fmt: skip
+        """The first half of a reduction that MPI must not sum (16-bit gradients):
+        rank ``r`` receives part ``r`` (``counts[r]`` elements at ``displs[r]`` of
+        ``buf``) of every rank's ``buf``, rank ``q``'s at ``recv[q * counts[r]:]``;
+        the caller sums them in a wider dtype. Prepared once, started per bucket;
+        recorded as an alltoallv, its bytes counted as the reduction's."""
+        self._check_fits(buf, counts, displs)
+        mine = counts[self.rank]
+        if recv.shape[0] < self.size * mine or recv.dtype != buf.dtype:
+            raise ValueError(
+                f"recv must hold {self.size} x {mine} elements of {buf.dtype}, got "
+                f"{recv.shape} {recv.dtype}"
+            )
+        buf, recv = _wire(buf), _wire(recv)
+        mpi_type, size = _mpi_type(buf), buf.itemsize
+        send_spec = [buf, list(counts), list(displs), mpi_type]
+        recv_spec = [recv, [mine] * self.size, [q * mine for q in range(self.size)], mpi_type]
+        return Planned(
+            self, "alltoallv", _A2A, tag, buf.shape[0], recv,
+            lambda: self.mpi.Ialltoallv(send_spec, recv_spec),
+            (buf.shape[0] - mine) * size, (self.size - 1) * mine * size,
+            key="reduce_scatter",
         )  # fmt: skip
 
     def ireduce_scatter(
@@ -239,6 +281,7 @@ class Comm(FileIO, Agreement):
     def bcast_inplace(self, buf: np.ndarray, root: int = 0, tag: int = -1) -> None:
         """Overwrite ``buf`` on every rank with root's contents."""
         self._start(_BC, tag, buf.shape[0])
+        buf = _wire(buf)
         self._blocking("bcast", tag, lambda: self.mpi.Bcast([buf, _mpi_type(buf)], root=root))
 
     def record_shared(self, op: str, tag: int, count: int) -> None:

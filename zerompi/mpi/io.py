@@ -9,7 +9,11 @@ import numpy as np
 from mpi4py import MPI
 
 #: Predefined MPI types by numpy dtype.
-MPI_TYPES = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
+MPI_TYPES = {
+    np.dtype(np.float32): MPI.FLOAT,
+    np.dtype(np.float64): MPI.DOUBLE,
+    np.dtype(np.uint16): MPI.UINT16_T,  # 16-bit floats, moved (never summed) as uint16
+}
 
 
 class FileIO:

@@ -73,13 +73,14 @@ class Planned:
     def __init__(
         self, comm: Comm, op: str, code: int, tag: int, count: int, result: np.ndarray,
         call: Callable[[], MPI.Request], sent: int, received: int,
-        blocking: Callable[[], None] | None = None,
+        blocking: Callable[[], None] | None = None, key: str | None = None,
     ) -> None:  # fmt: skip
         self.comm, self.op, self.tag, self.call, self.blocking = comm, op, tag, call, blocking
         self.sent, self.received = sent, received
         self.calldesc = (code, tag, count)  # what the fingerprint records
         self.token = token(code, tag, count)
-        self.key = "allgather" if op == "allgatherv" else op  # the traffic books' name
+        #: the traffic books' name
+        self.key = key or ("allgather" if op == "allgatherv" else op)
         #: One Pending, reused by every start: a planned collective is never started
         #: again while in flight (checked: a started request is not null).
         self.pending = Pending(MPI.REQUEST_NULL, result, comm, op, 0, tag)

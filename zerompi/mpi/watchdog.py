@@ -38,7 +38,7 @@ DEFAULT_TIMEOUT = 600.0
 #: What a rank can wait in (the heartbeat stores the index).
 OPS = (
     "reduce_scatter", "allgatherv", "allreduce", "bcast", "fence", "allgather",
-    "barrier", "step agreement", "file I/O", "split",
+    "barrier", "step agreement", "file I/O", "split", "alltoallv",
 )  # fmt: skip
 
 

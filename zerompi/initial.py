@@ -1,0 +1,66 @@
+"""Initial parameter values: rank 0's, broadcast to every rank.
+
+Rank 0 writes the values the user passed (materializing :class:`Deferred` ones, so
+only rank 0 runs an ``init``) and broadcasts them; a failing ``init`` raises on every
+rank. With full parameters in the master dtype (stages 0-2) the whole flat buffer is
+broadcast at once; otherwise (stage 3, or a narrower ``param_dtype``) one bucket at a
+time through a bucket-sized buffer of the master dtype, from which each rank keeps
+its master part and the model's rounded copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from .adam import round_low
+from .mpi.collectives import Comm
+from .partition import Bucket, Deferred, Layout
+from .plan import Part
+
+
+def initialize(
+    comm: Comm,
+    params: Mapping[str, np.ndarray | Deferred],
+    names: Sequence[str],
+    target: Callable[[str], np.ndarray],
+) -> None:
+    """Collective: rank 0 writes the initial values of ``names`` into ``target(name)``
+    (the caller broadcasts them); a failing ``init`` raises on every rank."""
+    error = None
+    if comm.rank == 0:
+        try:
+            for name in names:
+                value = params[name]
+                if isinstance(value, Deferred):
+                    value = value.materialize(name)
+                np.copyto(target(name), value, casting="same_kind")
+        except Exception as exc:
+            error = exc
+    comm.agree(error)
+
+
+def initialize_by_bucket(
+    comm: Comm,
+    layout: Layout,
+    parts: Sequence[Part],
+    params: Mapping[str, np.ndarray | Deferred],
+    bucket_view: Callable[[np.ndarray, Bucket, str], np.ndarray],
+) -> None:
+    """Collective: rank 0's initial values, one bucket at a time through a
+    bucket-sized buffer of the master dtype (freed after), into each part's master
+    (``part.param``: the whole bucket in stage 0, this rank's shard otherwise) and,
+    rounded, into the model's copy (``part.low``)."""
+    temp = {d: np.zeros(layout.max_bucket(d), d) for d in layout.sizes}
+    for i, (bucket, part) in enumerate(zip(layout.buckets, parts, strict=True)):
+        buf = temp[bucket.dtype][: bucket.size]
+        initialize(comm, params, bucket.names, lambda n, b=bucket, f=buf: bucket_view(f, b, n))
+        comm.bcast_inplace(buf, root=0, tag=i)
+        mine = buf[slice(*bucket.local(comm.rank))]
+        whole = part.param.shape[0] == bucket.size  # stage 0: Adam runs on everything
+        part.param[...] = buf if whole else mine
+        if part.full_param is not None and part.low is not None:
+            round_low(buf, part.full_param)  # the model's copy of the whole bucket
+        elif part.low is not None:
+            round_low(part.param, part.low)  # stage 3: the shard it gathers from
