@@ -132,16 +132,24 @@ def buffer_plan(
 
 
 def full_grads_plan(
-    layout: Layout, precisions: Mapping[np.dtype, Precision] | None = None
-) -> list[PlannedBuffer]:
+    layout: Layout, precisions: Mapping[np.dtype, Precision] | None = None,
+    shared_memory: bool = False,
+) -> list[PlannedBuffer]:  # fmt: skip
     """The full-size gradient buffers (in the reduce dtype) a stage-2 optimizer adds
     the first time ``opt.grads`` is used (the non-streamed hand-over; see
-    ``ZeroOptimizer.grads``)."""
+    ``ZeroOptimizer.grads``), and, for 16-bit gradients where the staging buckets
+    reduce through shared memory (so :func:`buffer_plan` has none), one receive
+    region for their reduction over MPI."""
     reduce = {d: precisions[d].reduce if precisions else d for d in layout.sizes}
-    return [
+    plan = [
         PlannedBuffer("grads_full", reduce[dtype], size, "communication_buffers", dtype)
         for dtype, size in layout.sizes.items()
     ]
+    for d in layout.sizes if shared_memory else ():
+        if is_half(reduce[d]):
+            count = layout.world_size * layout.max_part(d)
+            plan.append(PlannedBuffer("grad_recv", reduce[d], count, "communication_buffers", d))
+    return plan
 
 
 def aligned_empty(count: int, dtype: np.dtype | type) -> np.ndarray:

@@ -79,6 +79,7 @@ class HandOver:
     _lookups: dict[tuple[str, ...], tuple[int, list[str], bool]]
     _closed: bool
     precisions: dict[np.dtype, Any]
+    shared_memory: bool
 
     def _prepare_handover(self, stores: Mapping[str, Mapping[np.dtype, np.ndarray]]) -> None:
         """What makes a hand-over O(1): name lookups and the views handed out, cached
@@ -184,10 +185,12 @@ class HandOver:
 
     def _full_grads(self) -> dict[np.dtype, np.ndarray]:
         """Stage 2's full gradient buffers (``opt.grads``), allocated on first use."""
-        full = {
-            buf.master: self.pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
-            for buf in full_grads_plan(self.layout, self.precisions)
-        }
+        full, recv = {}, {}
+        for buf in full_grads_plan(self.layout, self.precisions, self.shared_memory):
+            store = full if buf.kind == "grads_full" else recv
+            store[buf.master] = self.pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
+        if recv:  # their reduction's receive region (shared memory has no other)
+            self.reducer.use_recv(recv)
         self._grads = FlatArrays({n: self._view(full, n) for n in self._order}, "gradient")
         return full
 

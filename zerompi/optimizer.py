@@ -238,20 +238,21 @@ class ZeroOptimizer(HandOver, OptimizerState):
                 {n: self._view(stores["grads"], n) for n in self._order}, "gradient"
             )
             self.reducer: FullReducer | StreamReducer = FullReducer(
-                comm, layout, self.parts, allreduce=self.plan.reduce == "allreduce"
-            )
+                comm, layout, self.parts, allreduce=self.plan.reduce == "allreduce",
+                recv=stores.get("grad_recv"),
+            )  # fmt: skip
         else:
-            segments = {d: pool.segments[f"grad_bucket.{d.name}"] for d in layout.sizes} \
+            segments = {b.master: pool.segments[b.name] for b in plan if b.kind == "grad_bucket"} \
                 if self.plan.shared_memory else None  # fmt: skip
             self.reducer = StreamReducer(
                 comm, layout, self.parts, stores["grad_bucket"],
                 OVERLAP_SLOTS if self.overlap else 1, segments,
-                self._full_grads if stage == 2 else None,
+                self._full_grads if stage == 2 else None, stores.get("grad_recv"),
             )  # fmt: skip
         if self.plan.gather == "allgatherv":
             self.gatherer: NoGather = MPIGather(comm, layout, self.parts)
         elif self.plan.gather == "shared":
-            segments = {d: pool.segments[f"params.{d.name}"] for d in layout.sizes}
+            segments = {b.master: pool.segments[b.name] for b in plan if b.kind == "params"}
             self.gatherer = SharedGather(comm, layout, segments)
         else:
             self.gatherer = NoGather()

@@ -22,7 +22,7 @@ import numpy as np
 
 from .mpi.collectives import Comm, Pending, Planned
 from .mpi.shm import SharedSegment
-from .partition import Layout
+from .partition import Bucket, Layout
 from .plan import Part
 
 #: Stage 0-1 reductions in flight at once in ``step()``: bucket i+2 starts when bucket
@@ -35,26 +35,71 @@ Visit = Callable[[int], None]
 
 
 class FullReducer:
-    """Stages 0-1: reduce the full gradient buffers at ``step()``."""
+    """Stages 0-1: reduce the full gradient buffers at ``step()``.
 
-    def __init__(self, comm: Comm, layout: Layout, parts: Sequence[Part], allreduce: bool):
+    With 16-bit gradients (``recv``: the receive buffers of
+    :func:`zerompi.buffers.buffer_plan`) the model's buffers must not accumulate
+    micro-batches in 16 bits either: every ``end_micro_batch`` moves each rank's
+    parts to their owners (``Alltoallv``), sums them into the master-dtype shard of
+    the reduced gradient, and zeroes the 16-bit buffers; stage 0 then gathers the
+    reduced shards at ``step()``."""
+
+    def __init__(
+        self, comm: Comm, layout: Layout, parts: Sequence[Part], allreduce: bool,
+        recv: Mapping[np.dtype, np.ndarray] | None = None,
+    ) -> None:  # fmt: skip
         self.comm = comm
+        self.layout = layout
         self.parts = parts
         self.allreduce = allreduce
-        self.planned = [] if allreduce else [
-            comm.plan_reduce_scatter(p.full_grad, b.counts, tag=p.index)  # type: ignore[arg-type]
-            for p, b in zip(parts, layout.buckets, strict=True)
-        ]  # fmt: skip
+        self.split = bool(recv)
+        if self.split:
+            assert recv is not None
+            width = {d: comm.size * layout.max_part(d) for d in recv}
+
+            def region(i: int, b: Bucket) -> np.ndarray:  # window slot i % REDUCE_WINDOW
+                lo = (i % REDUCE_WINDOW) * width[b.dtype]
+                return recv[b.dtype][lo : lo + comm.size * b.counts[comm.rank]]
+
+            self.planned = [
+                comm.plan_alltoallv(p.full_grad, b.counts, b.displs, region(i, b), p.index)  # type: ignore[arg-type]
+                for i, (p, b) in enumerate(zip(parts, layout.buckets, strict=True))
+            ]  # fmt: skip
+        else:
+            self.planned = [] if allreduce else [
+                comm.plan_reduce_scatter(p.full_grad, b.counts, tag=p.index)  # type: ignore[arg-type]
+                for p, b in zip(parts, layout.buckets, strict=True)
+            ]  # fmt: skip
+        self.micro = 0  # micro-batches folded into the reduced shards (16-bit only)
 
     def end_micro_batch(self) -> None:
-        """Gradients keep summing in the full buffers."""
+        """Gradients keep summing in the full buffers; 16-bit ones are reduced now."""
+        if not self.split:
+            return
+        n, comm = len(self.parts), self.comm
+        started = [self.planned[i].start() for i in range(min(REDUCE_WINDOW, n))]
+        for index, part in enumerate(self.parts):
+            received = started[index].wait()
+            mine = part.stats.shape[0]
+            sum_parts(part.stats, [received[q * mine : (q + 1) * mine] for q in range(comm.size)],
+                      self.micro > 0)  # fmt: skip
+            part.full_grad.fill(0)  # type: ignore[union-attr]
+            if index + REDUCE_WINDOW < n:  # its receive region is free again
+                started.append(self.planned[index + REDUCE_WINDOW].start())
+        self.micro += 1
 
     def flush(self) -> None:
         """Nothing is staged: the full buffers are reduced at ``step()``."""
 
     def _start(self, index: int) -> Pending:
-        buf = self.parts[index].full_grad
+        part = self.parts[index]
+        buf = part.full_grad
         assert buf is not None
+        if self.split:  # reduced already; stage 0 gathers the reduced shards
+            if self.allreduce:
+                bucket = self.layout.buckets[index]
+                self.comm.allgatherv_inplace(part.grad, bucket.counts, bucket.displs, tag=index)
+            return Pending.done(part.grad)
         if self.allreduce:
             self.comm.allreduce_inplace(buf, tag=index)
             return Pending.done(buf)
@@ -71,12 +116,18 @@ class FullReducer:
 
     def consumed(self) -> None:
         """After Adam: the full gradients were reduced in place; start from zero."""
+        self.micro = 0
+        if self.split:
+            return  # zeroed at every micro-batch; the reduced shards are overwritten
         for part in self.parts:
             assert part.full_grad is not None
             part.full_grad.fill(0)
 
     def discard(self) -> None:
-        self.consumed()
+        self.micro = 0
+        for part in self.parts:
+            assert part.full_grad is not None
+            part.full_grad.fill(0)
 
     def close(self) -> None:
         pass
@@ -90,6 +141,25 @@ class _Reduction(NamedTuple):
     pending: Pending
     add: bool
     slot: int | None  # staging slot it reads, or None
+    #: A 16-bit reduction: ``pending`` delivers every rank's part of the bucket, to be
+    #: summed here in the master dtype.
+    split: bool = False
+
+
+def sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
+    """``out`` (+)= the sum of ``parts`` in rank order, in ``out``'s dtype: never in
+    16 bits when the parts are narrower than ``out``."""
+    if add:
+        for part in parts:
+            np.add(out, part, out=out)
+    elif len(parts) == 1 or parts[0].dtype != out.dtype:
+        np.copyto(out, parts[0])
+        for part in parts[1:]:
+            np.add(out, part, out=out)
+    else:
+        np.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            np.add(out, part, out=out)
 
 
 class StreamReducer:
@@ -102,12 +172,17 @@ class StreamReducer:
         staging: Mapping[np.dtype, np.ndarray], slots: int,
         segments: Mapping[np.dtype, SharedSegment] | None,
         make_full: Callable[[], Mapping[np.dtype, np.ndarray]] | None = None,
+        recv: Mapping[np.dtype, np.ndarray] | None = None,
     ) -> None:  # fmt: skip
         self.comm = comm
         self.layout = layout
         self.parts = parts
         self.slots = slots
         self.segments = segments
+        #: 16-bit gradients over MPI: per dtype, ``slots`` regions of every rank's part
+        #: of a bucket (see :func:`zerompi.buffers.buffer_plan`).
+        self.recv: Mapping[np.dtype, np.ndarray] = {}
+        self.use_recv(recv or {})
         width = {d: max((b.size for b in layout.buckets if b.dtype == d), default=0)
                  for d in staging}  # fmt: skip
         #: views[slot][index]: bucket index's staging buffer in slot
@@ -134,6 +209,12 @@ class StreamReducer:
         self.planned: list[list[tuple[Planned, _Reduction] | None]] = [
             [None] * (2 * len(parts)) for _ in range(slots + 1)
         ]
+
+    def use_recv(self, recv: Mapping[np.dtype, np.ndarray]) -> None:
+        """Receive regions for 16-bit reductions over MPI (region ``slot`` of width
+        ``world size x largest part``)."""
+        self.recv = recv
+        self.recv_width = {d: self.comm.size * self.layout.max_part(d) for d in recv}
 
     # -- hand-over ----------------------------------------------------------------
 
@@ -185,6 +266,8 @@ class StreamReducer:
             if self.full is None:  # another rank uses opt.grads: reduce ours too
                 assert self.make_full is not None
                 self.full = self.make_full()
+            if self.recv:  # 16-bit: the full buffers' reductions use receive region 0
+                self._complete(len(self.inflight))
             for index, bucket in enumerate(self.layout.buckets):
                 self._start(index, self.full[bucket.dtype][bucket.start : bucket.stop], None)
             self._complete(len(self.inflight))
@@ -197,7 +280,6 @@ class StreamReducer:
         """Collective: start reduce-scattering ``buf`` (bucket ``index``) into its
         gradient shard. The first reduction of a step lands in the shard directly,
         later ones (micro-batches) are added."""
-        bucket = self.layout.buckets[index]
         shard = self.parts[index].grad
         add = self.reductions[index] > 0
         self.reductions[index] += 1
@@ -207,12 +289,27 @@ class StreamReducer:
         row = self.planned[-1 if slot is None else slot]
         made = row[2 * index + add]
         if made is None:
-            planned = self.comm.plan_reduce_scatter(
-                buf, bucket.counts, None if add else shard, index
-            )
-            made = row[2 * index + add] = (planned, _Reduction(index, planned.pending, add, slot))
+            made = row[2 * index + add] = self._plan(index, buf, slot, add, shard)
         made[0].start()  # (starts made[1].pending, which a planned collective reuses)
         self.inflight.append(made[1])
+        if slot is None and made[1].split:
+            self._complete(len(self.inflight))  # full buffers share one receive region
+
+    def _plan(
+        self, index: int, buf: np.ndarray, slot: int | None, add: bool, shard: np.ndarray
+    ) -> tuple[Planned, _Reduction]:
+        """The prepared collective of bucket ``index`` from ``buf``: a reduce-scatter
+        into the shard, or (16-bit gradients) an alltoallv of every rank's part."""
+        bucket, comm = self.layout.buckets[index], self.comm
+        if bucket.dtype in self.recv:
+            width = self.recv_width[bucket.dtype]
+            lo = (slot or 0) * width
+            mine = bucket.counts[comm.rank]
+            recv = self.recv[bucket.dtype][lo : lo + comm.size * mine]
+            planned = comm.plan_alltoallv(buf, bucket.counts, bucket.displs, recv, index)
+            return planned, _Reduction(index, planned.pending, add, slot, split=True)
+        planned = comm.plan_reduce_scatter(buf, bucket.counts, None if add else shard, index)
+        return planned, _Reduction(index, planned.pending, add, slot)
 
     def _shared_reduce(self, index: int, slot: int, out: np.ndarray, add: bool) -> None:
         """Blocking: this rank sums its part of every rank's staging slot, in rank
@@ -226,18 +323,10 @@ class StreamReducer:
         mine = bucket.counts[comm.rank]
         lo = self.offsets[slot][index] + bucket.displs[comm.rank]
         parts = [peer[lo : lo + mine] for peer in segment.peers]
-        if add:
-            for part in parts:
-                np.add(out, part, out=out)
-        elif len(parts) == 1:
-            np.copyto(out, parts[0])
-        else:
-            np.add(parts[0], parts[1], out=out)
-            for part in parts[2:]:
-                np.add(out, part, out=out)
+        sum_parts(out, parts, add)
         if self.slots == 1:
             comm.fence()  # every rank has read this bucket
-        comm.count_reduce_scatter(bucket.size, mine, out.itemsize)
+        comm.count_reduce_scatter(bucket.size, mine, segment.local.itemsize)
 
     def _complete(self, upto: int) -> None:
         """Finish the ``upto`` oldest started reductions, in the order started."""
@@ -247,7 +336,12 @@ class StreamReducer:
             done, self.inflight = self.inflight[:upto], self.inflight[upto:]
         for reduction in done:
             reduced = reduction.pending.wait()
-            if reduction.add:
+            if reduction.split:  # every rank's part: summed here, in the master dtype
+                target = self.parts[reduction.index].grad
+                mine = target.shape[0]
+                parts = [reduced[q * mine : (q + 1) * mine] for q in range(self.comm.size)]
+                sum_parts(target, parts, reduction.add)
+            elif reduction.add:
                 target = self.parts[reduction.index].grad
                 np.add(target, reduced, out=target)
 

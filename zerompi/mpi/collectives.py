@@ -231,12 +231,12 @@ class Comm(FileIO, Agreement):
                 f"recv must hold {self.size} x {mine} elements of {buf.dtype}, got "
                 f"{recv.shape} {recv.dtype}"
             )
-        buf, recv = _wire(buf), _wire(recv)
+        typed, buf, recv = recv, _wire(buf), _wire(recv)
         mpi_type, size = _mpi_type(buf), buf.itemsize
         send_spec = [buf, list(counts), list(displs), mpi_type]
         recv_spec = [recv, [mine] * self.size, [q * mine for q in range(self.size)], mpi_type]
         return Planned(
-            self, "alltoallv", _A2A, tag, buf.shape[0], recv,
+            self, "alltoallv", _A2A, tag, buf.shape[0], typed,
             lambda: self.mpi.Ialltoallv(send_spec, recv_spec),
             (buf.shape[0] - mine) * size, (self.size - 1) * mine * size,
             key="reduce_scatter",
