@@ -209,8 +209,9 @@ def adam_step(
             np.add(g, t, out=g)
         np.multiply(g, c.lr, out=g)
         np.subtract(p, g, out=p)
-        if low is not None:
-            np.copyto(low[lo:hi], p, casting="unsafe")
+        if low is not None:  # (overflow rounds to inf, as the C kernel does: no warning)
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.copyto(low[lo:hi], p, casting="unsafe")
 
 
 def _low_kind(low: np.ndarray) -> int:
@@ -232,7 +233,8 @@ def round_low(
     if (kernel or KERNEL) == "c" and src.flags.c_contiguous and low.flags.c_contiguous:
         _kernels.round_low(src, low.view(np.uint16), _low_kind(low), variant=variant or VARIANT)
     else:
-        np.copyto(low, src, casting="unsafe")
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.copyto(low, src, casting="unsafe")
 
 
 #: Elements per ``np.dot`` in :func:`grad_stats`: bounds the float32 accumulation error

@@ -46,7 +46,7 @@ from .mpi.launch import check_world, install_abort_hook
 from .mpi.watchdog import resolve_timeout
 from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_layout
 from .plan import bucket_parts, runs, stage_plan
-from .precision import loss_scale_of, precisions, resolve_dtype
+from .precision import precision_settings
 from .reducer import FullReducer, StreamReducer
 from .state import PHASES, OptimizerState
 
@@ -85,6 +85,13 @@ class ZeroOptimizer(HandOver, OptimizerState):
     ``max_norm``, gradients are scaled by ``min(1, max_norm / (norm + 1e-6))``,
     torch's ``clip_grad_norm_``.
 
+    Mixed precision (:mod:`zerompi.precision`): ``param_dtype`` (``"bfloat16"``,
+    ``"float16"``) is the dtype of the parameters the model reads and of the gather;
+    ``reduce_dtype`` that of the gradients it hands over and of the reduction's wire,
+    summed in the arrays' own dtype, which the master copy and the moments keep.
+    ``loss_scale`` (``"dynamic"``, a number; dynamic by default for float16
+    gradients): the model multiplies its loss gradient by ``opt.loss_scale``.
+
     ``timeout`` (seconds; default ``$ZEROMPI_TIMEOUT``, else 600; ``0`` or ``"none"``
     disables): any wait inside zerompi longer than this (a rank that never entered a
     collective) prints a diagnosis and aborts the job (:mod:`zerompi.mpi.watchdog`).
@@ -118,7 +125,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         specs: list[tuple[str, tuple[int, ...], np.dtype]] = []
         keys: list[str] = []
         seconds: float | None = None
-        dtypes: tuple[str | None, str | None] = (None, None)
+        dtypes: tuple[object, ...] = ()
         try:
             check_world()
             specs = check_params(params)
@@ -137,16 +144,9 @@ class ZeroOptimizer(HandOver, OptimizerState):
                 if not isinstance(flag, bool):
                     raise TypeError(f"{name} must be a bool, got {flag!r:.60}")
             seconds = resolve_timeout(timeout)
-            p_dt = resolve_dtype(param_dtype, "param_dtype")
-            r_dt = resolve_dtype(reduce_dtype, "reduce_dtype")
-            self.precisions = precisions(list(self.layout.sizes), p_dt, r_dt)
-            self.scaler = loss_scale_of(loss_scale, r_dt)
-            if self.scaler is not None and self.scaler.dynamic and nonfinite == "raise":
-                raise ValueError(
-                    "nonfinite='raise' with dynamic loss scaling: an overflow is how the "
-                    "scale learns to come down; use nonfinite='skip' (the default)"
-                )
-            dtypes = tuple(d.name if d is not None else None for d in (p_dt, r_dt))
+            self.precisions, self.scaler, dtypes = precision_settings(
+                list(self.layout.sizes), param_dtype, reduce_dtype, loss_scale, nonfinite
+            )
         except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         comm_ = self.comm
@@ -164,10 +164,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         )
         comm_.check_same((overlap, shared_memory), "(overlap, shared_memory)")
         comm_.check_same(seconds, "the watchdog timeout (timeout or ZEROMPI_TIMEOUT)")
-        comm_.check_same(
-            (dtypes, None if self.scaler is None else (self.scaler.scale, self.scaler.dynamic)),
-            "the precision settings (param_dtype, reduce_dtype, loss_scale)",
-        )
+        comm_.check_same(dtypes, "the precision settings (param_dtype, reduce_dtype, loss_scale)")
         comm_.timeout = seconds
         comm_.enable_heartbeat()
         comm_.describe = self._describe
@@ -264,6 +261,13 @@ class ZeroOptimizer(HandOver, OptimizerState):
         return f"bucket {index} [{names}]"
 
 
+    @property
+    def loss_scale(self) -> float:
+        """What the model multiplies its loss gradient by (1.0 without loss scaling;
+        float16 gradients default to dynamic scaling, :class:`zerompi.precision.LossScale`);
+        ``step()`` divides it back out."""
+        return 1.0 if self.scaler is None else self.scaler.scale
+
     def zero_grad(self) -> None:
         """Discard every gradient added or accumulated since the last step."""
         self._live("zero_grad")
@@ -301,9 +305,14 @@ class ZeroOptimizer(HandOver, OptimizerState):
         stats = self._reduce()
         norm, nonfinite = self._agree(stats)
         self.timings["reduce_scatter"] += clock() - t0
-        divisor = float(self.comm.size * self._micro_batches)
+        divisor = float(self.comm.size * self._micro_batches) * self.loss_scale
+        scaler = self.scaler
         if nonfinite or not math.isfinite(norm):
+            if scaler is not None:  # an overflow: the scale comes down, on every rank alike
+                scaler.update(True, self.step_count + 1)
             return self._skip(nonfinite)
+        if scaler is not None:
+            scaler.update(False, self.step_count + 1)
         if self.max_norm is not None:
             coef = self.max_norm / (norm + 1e-6)
             if coef < 1.0:  # torch's clip_grad_norm_: scale by min(1, coef)
@@ -341,7 +350,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         except CollectiveError:
             self._discard()
             raise
-        norm = math.sqrt(sumsq) / float(self.comm.size * self._micro_batches)
+        norm = math.sqrt(sumsq) / (float(self.comm.size * self._micro_batches) * self.loss_scale)
         self.last_grad_norm = norm
         return norm, nonfinite
 

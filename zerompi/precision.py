@@ -169,8 +169,11 @@ class LossScale:
 
 
 def loss_scale_of(value: object, reduce: np.dtype | None) -> LossScale | None:
-    """``loss_scale=`` as a :class:`LossScale`: ``"dynamic"``, a number (static), or
-    ``None`` (dynamic for float16 gradients, none otherwise)."""
+    """``loss_scale=`` as a :class:`LossScale`: ``"dynamic"``, a number (static), a
+    :class:`LossScale` (its own settings), or ``None`` (dynamic for float16
+    gradients, none otherwise)."""
+    if isinstance(value, LossScale):
+        return value
     if value is None:
         return LossScale() if reduce is not None and reduce == np.float16 else None
     if isinstance(value, str):
@@ -179,3 +182,25 @@ def loss_scale_of(value: object, reduce: np.dtype | None) -> LossScale | None:
         return LossScale()
     scale = finite_real("loss_scale", value, positive=True, kind="'dynamic', a number or None")
     return LossScale(init=scale, dynamic=False)
+
+
+def precision_settings(
+    masters: list[np.dtype], param_dtype: object, reduce_dtype: object, loss_scale: object,
+    nonfinite: str,
+) -> tuple[dict[np.dtype, Precision], LossScale | None, tuple[object, ...]]:  # fmt: skip
+    """Local validation of the optimizer's precision arguments: the
+    :class:`Precision` per master dtype, the loss scale, and what every rank must
+    agree on."""
+    p_dt = resolve_dtype(param_dtype, "param_dtype")
+    r_dt = resolve_dtype(reduce_dtype, "reduce_dtype")
+    scaler = loss_scale_of(loss_scale, r_dt)
+    if scaler is not None and scaler.dynamic and nonfinite == "raise":
+        raise ValueError(
+            "nonfinite='raise' with dynamic loss scaling: an overflow is how the scale "
+            "learns to come down; use nonfinite='skip' (the default)"
+        )
+    names = tuple(d.name if d is not None else None for d in (p_dt, r_dt))
+    scale = None if scaler is None else (
+        scaler.scale, scaler.dynamic, scaler.growth, scaler.backoff, scaler.growth_interval
+    )  # fmt: skip
+    return precisions(masters, p_dt, r_dt), scaler, (*names, scale)

@@ -1,0 +1,341 @@
+"""Mixed precision (``param_dtype``, ``reduce_dtype``, loss scaling) against the
+unsharded reference.
+
+The reference applies the same roundings: gradients are small multiples of 1/8,
+exactly representable in bfloat16 and float16 and summed exactly in float32, so the
+master copy (``full_params()``, in the arrays' own dtype) equals the reference's
+float32 Adam (bit for bit on one rank, 1e-6 relative on more, as in
+``test_optimizer``) and the model's copy (``opt.params`` / ``opt.gathered``) is the
+master rounded to nearest even, bit for bit, at every world size and stage, over
+MPI and shared memory. The kernel tests check every compiled variant's rounding
+against numpy's float16 and ml_dtypes' bfloat16 casts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+from helpers import assert_all
+from mpi4py import MPI
+from test_optimizer import raises
+
+from zerompi import ZeroOptimizer
+from zerompi.adam import VARIANTS, AdamConfig, adam_step, round_low
+from zerompi.precision import LossScale, bfloat16
+from zerompi.reference import ReferenceAdam
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16, F16, F32 = bfloat16(), np.dtype(np.float16), np.dtype(np.float32)
+KERNELS = [("numpy", None)] + [("c", v) for v in VARIANTS]
+
+# -- 1. rounding: bit-identical to numpy's and ml_dtypes' casts ------------------------------
+
+
+def samples(dtype: np.dtype, n: int = 200_000) -> np.ndarray:
+    """Random bit patterns (every class of value), normal values of every magnitude,
+    and the edge cases of both 16-bit formats."""
+    rng = np.random.default_rng(7)
+    width = np.uint32 if dtype == np.float32 else np.uint64
+    bits = rng.integers(0, np.iinfo(width).max, n, dtype=width, endpoint=True).view(dtype)
+    scaled = rng.standard_normal(n) * 10.0 ** rng.integers(-12, 8, n)
+    edges = [
+        0.0,
+        -0.0,
+        np.inf,
+        -np.inf,
+        65504,
+        65519.99,
+        65520,
+        65536,
+        6.1e-5,
+        5.96e-8,
+        2.98e-8,
+        2.99e-8,
+        1e-10,
+        3.4e38,
+        -1.5,
+        1.00390625,
+        1.01171875,
+        1 + 2**-9 + 2**-30,
+    ]
+    with np.errstate(all="ignore"):
+        return np.concatenate([bits, scaled.astype(dtype), np.array(edges, dtype)])
+
+
+@pytest.mark.parametrize(("kernel", "variant"), KERNELS)
+@pytest.mark.parametrize("master", [np.float32, np.float64])
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_rounding_matches_numpy_casts(
+    kernel: str, variant: str | None, master: type, low: str
+) -> None:
+    """Round to nearest even, every value but NaN's payload (a NaN stays a NaN)."""
+    low_dt = BF16 if low == "bfloat16" else F16
+    src = samples(np.dtype(master))
+    got = np.zeros(src.size, low_dt)
+    round_low(src, got, kernel=kernel, variant=variant)
+    with np.errstate(all="ignore"):
+        want = src.astype(low_dt)
+    nan = np.isnan(src)
+    same = got.view(np.uint16) == want.view(np.uint16)
+    assert same[~nan].all(), src[~nan & ~same][:5]
+    assert np.isnan(got[nan].astype(np.float32)).all()
+
+
+@pytest.mark.parametrize(("kernel", "variant"), KERNELS)
+@pytest.mark.parametrize("master", [np.float32, np.float64])
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+def test_adam_writes_the_rounded_copy_in_its_pass(
+    kernel: str, variant: str | None, master: type, low: str
+) -> None:
+    """``adam_step(..., low=)`` updates like without it and writes exactly the rounded
+    parameters; every kernel gives the same bits."""
+    low_dt = BF16 if low == "bfloat16" else F16
+    rng = np.random.default_rng(3)
+    n = 10_007
+    p0, g0 = (rng.standard_normal(n).astype(master) for _ in range(2))
+    config = AdamConfig(lr=1e-2, weight_decay=0.1, decoupled=True)
+    runs = {}
+    for with_low in (False, True):
+        p, g, m, v = p0.copy(), g0.copy(), np.zeros(n, master), np.zeros(n, master)
+        out = np.zeros(n, low_dt) if with_low else None
+        adam_step(p, g, m, v, 1, config, np.zeros(4096, master), 2.0, kernel=kernel,
+                  variant=variant, low=out)  # fmt: skip
+        runs[with_low] = (p, m, v, out)
+    for a, b in zip(runs[False][:3], runs[True][:3], strict=True):
+        assert np.array_equal(a, b)
+    p, out = runs[True][0], runs[True][3]
+    assert out is not None and np.array_equal(out.view(np.uint16), p.astype(low_dt).view(np.uint16))
+
+
+# -- 2. the optimizer against the reference ----------------------------------------------------
+
+SHAPES = {"a.w": (5, 3), "a.b": (3,), "b.w": (4,), "c.w": (7,), "d.w": (1,)}
+GROUPS = ["d", "c", "b", "a"]  # backward order
+HYPER = {"lr": 1e-2, "weight_decay": 0.05, "decoupled_weight_decay": True}
+
+#: (stage, api, shared memory): api "blocks" hands gradients over with opt.gradients
+#: inside opt.gathered, "grads" adds into opt.grads (stages 0-2).
+SETUPS = [(0, "grads", False), (0, "blocks", False), (1, "grads", False), (1, "blocks", False),
+          (2, "blocks", False), (2, "blocks", True), (2, "grads", False), (2, "grads", True),
+          (3, "blocks", False), (3, "blocks", True)]  # fmt: skip
+PRECISIONS = [("bfloat16", None), (None, "bfloat16"), ("bfloat16", "bfloat16"),
+              ("float16", "float16"), ("bfloat16", "float16")]  # fmt: skip
+CASES = list(itertools.product(SETUPS, PRECISIONS))
+
+
+def params_of(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def grad_of(name: str, rank: int, micro: int, step: int) -> np.ndarray:
+    """Small multiples of 1/8: exact in bfloat16/float16, their sums exact."""
+    shape = SHAPES[name]
+    base = np.arange(int(np.prod(shape))).reshape(shape) + 3 * rank + micro + 2 * step
+    return ((base % 7 - 3) / 8).astype(np.float32)
+
+
+def hand_over(opt: ZeroOptimizer, api: str, rank: int, micro: int, step: int, scale: float) -> None:
+    if api == "grads":
+        for name in SHAPES:
+            opt.grads[name][...] += grad_of(name, rank, micro, step) * scale
+        return
+    for group in GROUPS:
+        with opt.gathered(group), opt.gradients(group) as g:
+            for name in g:
+                g[name][...] += grad_of(name, rank, micro, step) * scale
+
+
+def mean_grads(size: int, micros: int, step: int) -> dict[str, np.ndarray]:
+    return {
+        name: (
+            sum(
+                grad_of(name, r, m, step).astype(np.float64)
+                for r in range(size)
+                for m in range(micros)
+            )
+            / (size * micros)
+        ).astype(np.float32)
+        for name in SHAPES
+    }
+
+
+def model_copy(opt: ZeroOptimizer) -> dict[str, np.ndarray]:
+    """The parameters as the model sees them (collective in stage 3)."""
+    out = {}
+    for group in reversed(GROUPS):
+        with opt.gathered(group) as p:
+            out.update({n: a.copy() for n, a in p.items()})
+    return out
+
+
+def check(opt: ZeroOptimizer, ref: ReferenceAdam, low: np.dtype, what: str) -> list[str]:
+    problems = []
+    master, seen = opt.full_params(), model_copy(opt)
+    exact = opt.comm.size == 1
+    for name, want in ref.params.items():
+        got = master[name]
+        if got.dtype != want.dtype:
+            problems.append(f"{what}: master {name} is {got.dtype}")
+            continue
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        if (exact and not np.array_equal(got, want)) or err > 1e-6:
+            problems.append(f"{what}: master {name} differs from the reference by {err:.2e}")
+        rounded = got.astype(low)
+        if seen[name].dtype != low or not np.array_equal(
+            seen[name].view(np.uint16 if low.itemsize == 2 else low),
+            rounded.view(np.uint16 if low.itemsize == 2 else low),
+        ):
+            problems.append(
+                f"{what}: the model's copy of {name} is not the master rounded to {low}"
+            )
+    return problems
+
+
+@pytest.mark.parametrize(
+    ("setup", "precision"),
+    CASES,
+    ids=[f"stage{s}-{a}-{'shm' if m else 'mpi'}-{p}-{r}" for (s, a, m), (p, r) in CASES],
+)
+def test_matches_the_reference_with_roundings(
+    comm: MPI.Intracomm, setup: tuple[int, str, bool], precision: tuple[str | None, str | None]
+) -> None:
+    """Three steps (the second with two micro-batches) in small buckets, so that on 2-4
+    ranks some own nothing of most buckets."""
+    stage, api, shm = setup
+    param_dtype, reduce_dtype = precision
+    params = params_of()
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=4, shared_memory=shm,
+                        param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=1.0,
+                        **HYPER)  # fmt: skip
+    ref = ReferenceAdam(params, **HYPER)
+    low = BF16 if param_dtype == "bfloat16" else F16 if param_dtype == "float16" else F32
+    problems = check(opt, ref, low, "initial")
+    for step, micros in enumerate((1, 2, 1)):
+        for micro in range(micros):
+            hand_over(opt, api, comm.rank, micro, step, 1.0)
+            if micros > 1:
+                opt.accumulate()
+        opt.step()
+        ref.step(mean_grads(comm.size, micros, step))
+        problems += check(opt, ref, low, f"step {step}")
+    assert_all(not problems, "; ".join(problems[:4]))
+
+
+# -- 3. loss scaling ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_dynamic_loss_scale_unscales_backs_off_and_grows(comm: MPI.Intracomm, stage: int) -> None:
+    """float16 gradients: the model multiplies by ``opt.loss_scale`` and ``step()``
+    divides it out (the result equals the unscaled reference); an overflow on one rank
+    skips the step on every rank, state untouched, and halves the scale; after
+    ``growth_interval`` good steps it doubles; the history records each change."""
+    params = params_of(1)
+    scaler = LossScale(init=2.0**10, growth_interval=2)
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=4, reduce_dtype="float16",
+                        loss_scale=scaler, **HYPER)  # fmt: skip
+    ref = ReferenceAdam(params, **HYPER)
+    api = "blocks"
+    problems = []
+    hand_over(opt, api, comm.rank, 0, 0, opt.loss_scale)
+    opt.step()
+    ref.step(mean_grads(comm.size, 1, 0))
+    problems += check(opt, ref, F32, "scaled step")
+    before = opt.full_params()
+    # an overflow on the last rank only: float16 gradients beyond 65504
+    big = np.float16(6e4) if comm.rank == comm.size - 1 else np.float16(0)
+    for group in GROUPS:
+        with opt.gathered(group), opt.gradients(group) as g, np.errstate(over="ignore"):
+            for name in g:
+                g[name][...] += big
+                g[name][...] += big  # 1.2e5: inf in float16
+    opt.step()
+    after = opt.full_params()
+    if opt.skipped_steps != 1 or opt.step_count != 1:
+        problems.append(f"overflow: skipped {opt.skipped_steps}, step_count {opt.step_count}")
+    if any(not np.array_equal(before[n], after[n]) for n in before):
+        problems.append("overflow: the parameters changed")
+    if opt.loss_scale != 2.0**9:
+        problems.append(f"overflow: scale {opt.loss_scale}, expected {2.0**9}")
+    for step in (1, 2):
+        hand_over(opt, api, comm.rank, 0, step, opt.loss_scale)
+        opt.step()
+        ref.step(mean_grads(comm.size, 1, step))
+    problems += check(opt, ref, F32, "after the overflow")
+    if opt.loss_scale != 2.0**10:
+        problems.append(f"growth: scale {opt.loss_scale} after 2 good steps, expected {2.0**10}")
+    # (the step a change follows: the skipped one is attempted again as step 2)
+    if scaler.history != [(2, 2.0**10, 2.0**9), (3, 2.0**9, 2.0**10)]:
+        problems.append(f"history {scaler.history}")
+    assert_all(not problems, "; ".join(problems[:4]))
+
+
+def test_loss_scale_defaults() -> None:
+    """Dynamic from 2**16 for float16 gradients (torch's GradScaler), none otherwise;
+    a number is a static scale."""
+    params = params_of()
+    assert ZeroOptimizer(params, reduce_dtype="float16").loss_scale == 2.0**16
+    assert ZeroOptimizer(params, reduce_dtype="bfloat16").scaler is None
+    assert ZeroOptimizer(params, param_dtype="float16").scaler is None
+    static = ZeroOptimizer(params, loss_scale=128)
+    assert static.loss_scale == 128.0 and not static.scaler.dynamic  # type: ignore[union-attr]
+    s = LossScale()
+    assert (s.scale, s.growth, s.backoff, s.growth_interval) == (2.0**16, 2.0, 0.5, 2000)
+
+
+# -- 4. what moves, what is refused ------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sixteen_bit_wires_move_half_the_bytes(comm: MPI.Intracomm, stage: int) -> None:
+    """The gather's and the reduction's bytes per element halve, exactly as counted."""
+    traffic = {}
+    for precision in ((None, None), ("bfloat16", "bfloat16")):
+        opt = ZeroOptimizer(
+            params_of(), comm=comm, stage=stage, bucket_elems=4,
+            param_dtype=precision[0], reduce_dtype=precision[1], **HYPER,
+        )  # fmt: skip
+        opt.comm.pop_traffic()
+        hand_over(opt, "blocks", comm.rank, 0, 0, 1.0)
+        opt.step()
+        traffic[precision] = opt.comm.pop_traffic()
+    full, half = traffic[(None, None)], traffic[("bfloat16", "bfloat16")]
+    problems = [
+        f"{op} {way}: {half.get(op, {}).get(way)} bytes in bfloat16, {full[op][way]} in float32"
+        for op in ("reduce_scatter", "allgather") if op in full
+        for way in ("sent", "received")
+        if 2 * half.get(op, {}).get(way, -1) != full[op][way]
+    ]  # fmt: skip
+    assert_all(not problems, "; ".join(problems))
+
+
+BAD: list[tuple[str, Mapping[str, object], type[Exception], str]] = [
+    ("integer param_dtype", {"param_dtype": "int8"}, ValueError, "must be a floating dtype"),
+    ("unknown dtype", {"reduce_dtype": "bogus"}, TypeError, "reduce_dtype must be one of"),
+    ("wider than the master", {"param_dtype": "float64"}, ValueError, "float64 is wider"),
+    ("loss scale word", {"loss_scale": "sometimes"}, ValueError, "loss_scale must be 'dynamic'"),
+    ("loss scale zero", {"loss_scale": 0.0}, ValueError, "loss_scale must be finite and > 0"),
+    ("raise with dynamic", {"reduce_dtype": "float16", "nonfinite": "raise"}, ValueError,
+     "nonfinite='raise' with dynamic loss scaling"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "kwargs", "exc", "match"), BAD, ids=[b[0] for b in BAD])
+def test_bad_precision_settings_raise_on_every_rank(
+    comm: MPI.Intracomm, what: str, kwargs: Mapping[str, object], exc: type[Exception], match: str
+) -> None:
+    _, problems = raises(exc, match, lambda: ZeroOptimizer(params_of(), comm=comm, **kwargs), what)
+    assert_all(not problems, "; ".join(problems))
+
+
+def test_model_copy_is_read_only() -> None:
+    """Writing the rounded copy would not reach the master: refused, with the way out."""
+    opt = ZeroOptimizer(params_of(), stage=1, param_dtype="bfloat16")
+    with pytest.raises(ValueError, match="rounded copy"):
+        opt.params["a.b"] = np.zeros(3, BF16)
+    with pytest.raises(ValueError, match="read-only"):
+        opt.params["a.b"][...] = 0
