@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_all
+from helpers import WORLD, assert_all
 from mpi4py import MPI
 from test_optimizer import raises
 
@@ -339,3 +340,72 @@ def test_model_copy_is_read_only() -> None:
         opt.params["a.b"] = np.zeros(3, BF16)
     with pytest.raises(ValueError, match="read-only"):
         opt.params["a.b"][...] = 0
+
+
+# -- 5. checkpoints: the master precision, loadable under any setting ----------------------------
+
+
+def test_checkpoints_hold_the_master_and_load_under_any_precision(mpi_tmp_path: Path) -> None:
+    """Saved by the world at stage 2 in bfloat16/bfloat16 with a dynamic float16-style
+    loss scale: the file holds the float32 master and says how it was saved; every
+    sub-communicator, at every stage and under every precision setting, loads the
+    same master and state, and its model copy is that master rounded; a dynamic loss
+    scale comes back."""
+    from test_checkpoint import differences, shared_path, snapshot
+
+    from zerompi import checkpoint
+
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    subs = {
+        "world": WORLD,
+        "self": MPI.COMM_SELF,
+        "split": WORLD.Split(int(rank == size - 1) if size > 1 else 0, rank),
+    }
+    problems: list[str] = []
+    try:
+        path = shared_path(mpi_tmp_path, WORLD, "mixed")
+        scaler = LossScale(init=2.0**8, growth_interval=1)
+        opt = ZeroOptimizer(params_of(), comm=WORLD, stage=2, bucket_elems=4,
+                            param_dtype="bfloat16", reduce_dtype="float16",
+                            loss_scale=scaler, **HYPER)  # fmt: skip
+        for step in range(2):
+            hand_over(opt, "blocks", rank, 0, step, opt.loss_scale)
+            opt.step()
+        scale = opt.loss_scale  # grown twice
+        opt.save(path)
+        want = snapshot(opt)
+        saved = checkpoint.read_header(path)["optimizer"]
+        if (saved["param_dtype"], saved["reduce_dtype"], saved["loss_scale"]) != (
+            "bfloat16",
+            "float16",
+            scale,
+        ):
+            problems.append(f"header: {saved}")
+        problems += differences(checkpoint.read(path), want, "checkpoint.read")
+        for name, sub in subs.items():
+            for stage in (0, 1, 2, 3):
+                for p_dt, r_dt in ((None, None), ("float16", "bfloat16"), ("bfloat16", "float16")):
+                    other = ZeroOptimizer(params_of(5), comm=sub, stage=stage, bucket_elems=3,
+                                          param_dtype=p_dt, reduce_dtype=r_dt, **HYPER)  # fmt: skip
+                    other.load(path)
+                    what = f"{name} stage {stage} {p_dt}/{r_dt}"
+                    problems += differences(snapshot(other), want, what)
+                    low = F16 if p_dt == "float16" else BF16 if p_dt else F32
+                    problems += check_copy(other, low, what)
+                    if r_dt == "float16" and other.loss_scale != scale:
+                        problems.append(f"{what}: loss scale {other.loss_scale}, saved {scale}")
+    finally:
+        subs["split"].Free()
+    assert_all(not problems, "; ".join(problems[:4]))
+
+
+def check_copy(opt: ZeroOptimizer, low: np.dtype, what: str) -> list[str]:
+    """The model's copy is the master rounded to ``low``."""
+    master, seen = opt.full_params(), model_copy(opt)
+    view = np.uint16 if low.itemsize == 2 else low
+    return [
+        f"{what}: the model's copy of {n} is not the master rounded"
+        for n in master
+        if seen[n].dtype != low
+        or not np.array_equal(seen[n].view(view), master[n].astype(low).view(view))
+    ]

@@ -41,6 +41,8 @@ class OptimizerState:
     _stores: dict[str, dict[np.dtype, np.ndarray]]
     _specs: dict[str, Any]
     parts: list[Part]
+    precisions: dict[np.dtype, Any]
+    scaler: Any
 
     def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
         raise NotImplementedError
@@ -182,6 +184,24 @@ class OptimizerState:
             "lr": c.lr, "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps,
             "weight_decay": c.weight_decay, "decoupled": c.decoupled,
         }  # fmt: skip
+
+    def precision_settings(self) -> dict[str, Any]:
+        """The precision a checkpoint was saved with (it holds the master precision
+        whatever these say) and the loss scale's state."""
+        first = next(iter(self.precisions.values()))
+        out: dict[str, Any] = {"param_dtype": first.param.name, "reduce_dtype": first.reduce.name}
+        if self.scaler is not None:
+            out.update(loss_scale=self.scaler.scale, loss_scale_dynamic=self.scaler.dynamic,
+                       loss_scale_good_steps=self.scaler.good_steps)  # fmt: skip
+        return out
+
+    def set_loss_scale(self, settings: Mapping[str, Any]) -> None:
+        """Restore a dynamic loss scale saved by :meth:`precision_settings` (a load); a
+        static or absent one leaves this optimizer's own."""
+        scaler = self.scaler
+        if scaler is not None and scaler.dynamic and settings.get("loss_scale_dynamic"):
+            scaler.load({"scale": settings["loss_scale"],
+                         "good_steps": settings.get("loss_scale_good_steps", 0)})  # fmt: skip
 
     # -- checkpoints -----------------------------------------------------------
 

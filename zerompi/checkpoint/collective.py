@@ -13,7 +13,8 @@ private attributes:
 * ``opt.state_shards()``: ``(section, first global element, writable shard view)``
   in one fixed order that every rank's collective I/O follows;
 * ``opt.publish_state()``: collective, after the shards were overwritten;
-* ``opt.set_counters(step, skipped_steps)`` and ``opt.hyperparameters()``;
+* ``opt.set_counters(step, skipped_steps)``, ``opt.hyperparameters()``,
+  ``opt.precision_settings()`` and ``opt.set_loss_scale(settings)``;
 * the attributes ``comm``, ``layout`` (``sizes``, ``buckets``), ``stage``,
   ``step_count`` and ``skipped_steps``.
 
@@ -77,6 +78,7 @@ def _optimizer_entry(opt: Any) -> dict[str, Any]:
     """The header's ``optimizer`` entry: the hyperparameters and the counters."""
     return {
         **opt.hyperparameters(),
+        **opt.precision_settings(),
         "step": int(opt.step_count),
         "skipped_steps": int(opt.skipped_steps),
     }
@@ -255,6 +257,7 @@ def _load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
     opt.publish_state()  # full copies consistent again; gradients discarded
     optimizer = header["optimizer"]
     opt.set_counters(int(optimizer["step"]), int(optimizer.get("skipped_steps", 0)))
+    opt.set_loss_scale(optimizer)
     return header
 
 

@@ -33,20 +33,16 @@ Command line: ``python -m zerompi.memory --params N --world W --stage S`` (or
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
 import numpy as np
 
-from . import mlp
-from .buffers import CATEGORIES, buffer_plan, full_grads_plan
-from .partition import (
+from .. import mlp
+from ..buffers import CATEGORIES, buffer_plan, full_grads_plan
+from ..partition import (
     DEFAULT_BUCKET_ELEMS,
-    STAGES,
     SUPPORTED_DTYPES,
     default_group,
     optimizer_layout,
@@ -221,204 +217,8 @@ def mlp_specs(
 # -- command line -----------------------------------------------------------------
 
 
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
-
-
-def _mlp_arg(value: str) -> tuple[int, int, int, int]:
-    try:
-        in_dim, hidden, depth, classes = (int(v) for v in value.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected IN,HIDDEN,DEPTH,CLASSES (four integers), got {value!r}"
-        ) from None
-    try:
-        mlp.layer_sizes(in_dim, hidden, depth, classes)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return in_dim, hidden, depth, classes
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: ...)" only for options that have a meaningful default."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m zerompi.memory``."""
-    p = argparse.ArgumentParser(
-        prog="python -m zerompi.memory",
-        description=(
-            "Per-rank memory of zerompi's ZeroOptimizer for a model, world size and ZeRO "
-            "stage, computed from the optimizer's own layout and buffer plan without "
-            "allocating anything (equal to opt.memory_usage() to the byte), next to the "
-            "ZeRO paper's formula for Adam's model states."
-        ),
-        epilog=(
-            "Figures are per rank; without --per-rank, the maximum over ranks (rank 0's: "
-            "it owns the largest shard of every bucket). 'exact' is the four model-state "
-            "arrays (parameters, gradients, exp_avg, exp_avg_sq) as laid out, 'paper' "
-            "the formula 4sP / 2sP+2sP/W / sP+3sP/W / 4sP/W for stages 0-3 (s: bytes per "
-            "element), and 'buffers' what the formula leaves out (bucket staging and "
-            "gather buffers, the Adam kernel's scratch). Example: python -m zerompi.memory "
-            "--mlp 1024,1024,16,10 --world 4 --stage 3"
-        ),
-        formatter_class=_HelpFormatter,
-    )
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument(
-        "--params",
-        type=_positive,
-        metavar="N",
-        help="a model of N parameters (elements), as ceil(N/L) 1-D parameters of L "
-        "elements (see --layer-elems), each its own group",
-    )
-    model.add_argument(
-        "--mlp",
-        type=_mlp_arg,
-        metavar="IN,HIDDEN,DEPTH,CLASSES",
-        help="exactly the MLP of 'python -m zerompi.driver --in-dim IN --hidden HIDDEN "
-        "--depth DEPTH --classes CLASSES'",
-    )
-    p.add_argument("--world", type=_positive, required=True, metavar="W", help="world size")
-    p.add_argument(
-        "--stage", type=int, choices=STAGES, required=True, help="ZeRO stage (0: plain DP)"
-    )
-    p.add_argument(
-        "--dtype", choices=("float32", "float64"), default="float32", help="parameter dtype"
-    )
-    p.add_argument(
-        "--bucket-elems",
-        type=_positive,
-        default=DEFAULT_BUCKET_ELEMS,
-        metavar="B",
-        help="the optimizer's bucket_elems (target elements per bucket)",
-    )
-    p.add_argument(
-        "--layer-elems",
-        type=_positive,
-        default=None,
-        metavar="L",
-        help="with --params: elements per parameter (default: --bucket-elems)",
-    )
-    p.add_argument(
-        "--full-grads",
-        action="store_true",
-        help="stage 2: include the full gradient buffer that opt.grads allocates on first "
-        "use (a model that hands gradients over with opt.gradients() never has it)",
-    )
-    p.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="the optimizer's overlap=False: one staging bucket instead of two (stages 2-3)",
-    )
-    p.add_argument("--per-rank", action="store_true", help="also give the figures of every rank")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    return p
-
-
-def _mib(count: float) -> str:
-    return f"{count / 2**20:,.3f}"
-
-
-def _specs_from_args(args: argparse.Namespace) -> tuple[list[Spec], str]:
-    if args.mlp is not None:
-        in_dim, hidden, depth, classes = args.mlp
-        sizes = mlp.layer_sizes(in_dim, hidden, depth, classes)
-        return mlp_specs(in_dim, hidden, depth, classes, args.dtype), "MLP " + "-".join(
-            map(str, sizes)
-        )
-    layer = args.layer_elems or args.bucket_elems
-    specs = flat_specs(args.params, layer, args.dtype)
-    return specs, f"{len(specs)} parameter(s) of <= {layer:,} elements"
-
-
-def _report(result: dict[str, Any], per_rank: list[dict[str, Any]] | None, model: str) -> str:
-    r = result
-    lines = [
-        f"zerompi.memory: {model}: {r['params']:,} params "
-        f"({', '.join(r['params_by_dtype'])}) in {r['buckets']} bucket(s) "
-        f"(largest {r['max_bucket_elems']:,} elements), world size {r['world_size']}, "
-        f"stage {r['stage']}, bucket_elems {r['bucket_elems']:,}",
-        "",
-        "per rank, max over ranks:",
-        f"  {'category':<24}{'bytes':>16}{'MiB':>14}",
-    ]
-    for category, count in r["usage"].items():
-        lines.append(f"  {category:<24}{count:>16,}{_mib(count):>14}")
-    lines.append(f"  {'total':<24}{r['total_bytes']:>16,}{_mib(r['total_bytes']):>14}")
-    diff = r["exact_bytes"] - r["paper_bytes"]
-    lines += [
-        "",
-        "model states (parameters, gradients, 2 Adam moments) vs the ZeRO paper:",
-        f"  {'exact':<24}{r['exact_bytes']:>16,}{_mib(r['exact_bytes']):>14}",
-        f"  {'paper formula':<24}{r['paper_bytes']:>16,.1f}{_mib(r['paper_bytes']):>14}",
-        f"  {'exact - paper':<24}{diff:>16,.1f}",
-        f"  {'buffers (not in paper)':<24}{r['buffers_bytes']:>16,}{_mib(r['buffers_bytes']):>14}",
-        "",
-        "named buffers:",
-    ]
-    for name, count in r["buffers"].items():
-        lines.append(f"  {name:<24}{count:>16,}{_mib(count):>14}")
-    if per_rank is not None:
-        short = dict(
-            zip(CATEGORIES, ("opt_states", "grads", "params", "comm_bufs", "scratch"), strict=True)
-        )
-        lines += ["", "per rank (bytes):"]
-        lines.append(
-            "  "
-            + f"{'rank':>6}"
-            + "".join(f"{short[c]:>16}" for c in CATEGORIES)
-            + f"{'total':>16}"
-        )
-        for e in per_rank:
-            lines.append(
-                "  "
-                + f"{e['rank']:>6}"
-                + "".join(f"{e['usage'][c]:>16,}" for c in CATEGORIES)
-                + f"{e['total_bytes']:>16,}"
-            )
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m zerompi.memory``; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.layer_elems is not None and args.params is None:
-        parser.error("--layer-elems only applies to --params")
-    specs, model = _specs_from_args(args)
-    options = {
-        "bucket_elems": args.bucket_elems,
-        "full_grads": args.full_grads,
-        "overlap": not args.no_overlap,
-    }
-    result = estimate_max(specs, args.world, args.stage, **options)
-    per_rank = None
-    if args.per_rank:
-        per_rank = [
-            estimate(specs, args.world, r, args.stage, **options) for r in range(args.world)
-        ]
-    if args.json:
-        out = {"model": model, "max_over_ranks": result}
-        if per_rank is not None:
-            out["per_rank"] = per_rank
-        json.dump(out, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(_report(result, per_rank, model))
-    return 0
+    """``python -m zerompi.memory`` (see :mod:`zerompi.memory.cli`)."""
+    from .cli import main as cli_main
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return cli_main(argv)

@@ -1,0 +1,7 @@
+"""``python -m zerompi.memory``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
