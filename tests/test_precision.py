@@ -409,3 +409,55 @@ def check_copy(opt: ZeroOptimizer, low: np.dtype, what: str) -> list[str]:
         if seen[n].dtype != low
         or not np.array_equal(seen[n].view(view), master[n].astype(low).view(view))
     ]
+
+
+# -- 6. memory: the estimator, the optimizer's accounting and the formula --------------------
+
+
+@pytest.mark.parametrize(
+    "precision", [("bfloat16", "bfloat16"), ("float16", None), (None, "bfloat16")]
+)
+def test_estimate_equals_the_optimizer_per_precision(
+    comm: MPI.Intracomm, precision: tuple[str | None, str | None]
+) -> None:
+    """``python -m zerompi.memory --param-dtype/--reduce-dtype/--shared-memory`` gives
+    the optimizer's ``memory_usage()`` and buffers to the byte, stage 2's lazily
+    allocated full gradients included, with float32 and float64 masters."""
+    from zerompi.memory import estimate
+
+    specs = [("a.w", (5, 3), F32), ("a.b", (3,), F32), ("h.w", (6,), np.dtype(np.float64)),
+             ("b.w", (4,), F32)]  # fmt: skip
+    params = {n: np.zeros(s, d) for n, s, d in specs}
+    size, rank = comm.Get_size(), comm.Get_rank()
+    p_dt, r_dt = precision
+    problems = []
+    for stage, shm in itertools.product((0, 1, 2, 3), (False, True)):
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=4, shared_memory=shm,
+                            param_dtype=p_dt, reduce_dtype=r_dt)  # fmt: skip
+        options = {"param_dtype": p_dt, "reduce_dtype": r_dt, "shared_memory": opt.shared_memory}
+        est = estimate(specs, size, rank, stage, 4, **options)
+        if list(est["buffers"].items()) != list(opt.memory_buffers().items()):
+            problems.append(f"stage {stage} shm {shm}: {est['buffers']} != {opt.memory_buffers()}")
+        if stage == 2:
+            opt.grads  # noqa: B018
+            full = estimate(specs, size, rank, stage, 4, full_grads=True, **options)
+            if full["usage"] != opt.memory_usage():
+                problems.append(f"full grads, shm {shm}: {full['usage']} != {opt.memory_usage()}")
+    assert_all(not problems, "\n".join(problems[:6]))
+
+
+def test_formula_per_precision() -> None:
+    """Bytes per parameter, replicated + sharded / W, for a float32 master."""
+    from zerompi.memory import bytes_per_param
+    from zerompi.precision import Precision
+
+    same, bf = Precision(F32, F32, F32), Precision(F32, BF16, BF16)
+    assert [bytes_per_param(s, same) for s in range(4)] == [(16, 0), (8, 8), (4, 12), (0, 16)]
+    assert [bytes_per_param(s, bf) for s in range(4)] == [(20, 0), (4, 16), (2, 16), (0, 18)]
+    params_only = Precision(F32, BF16, F32)
+    assert [bytes_per_param(s, params_only) for s in range(4)] == [
+        (18, 0),
+        (6, 12),
+        (2, 16),
+        (0, 18),
+    ]

@@ -47,13 +47,16 @@ from ..partition import (
     default_group,
     optimizer_layout,
 )
+from ..precision import Precision, precisions, resolve_dtype
 
 #: (name, shape, dtype) of one parameter, in the model's order.
 Spec = tuple[str, tuple[int, ...], np.dtype]
 
 #: Kinds of planned buffer that are the ZeRO paper's model states; every other
 #: buffer (staging, gather, scratch) is counted in ``buffers_bytes``.
-MODEL_STATES = ("params", "grads", "exp_avg", "exp_avg_sq")
+MODEL_STATES = (
+    "params", "params_low", "master", "grads", "grads_reduced", "exp_avg", "exp_avg_sq"
+)  # fmt: skip
 
 #: Per stage, (unsharded, sharded) arrays of the four model states: the paper's
 #: formula is ``itemsize * P * (unsharded + sharded / W)``.
@@ -103,6 +106,36 @@ def paper_bytes(params: Mapping[np.dtype, int], world_size: int, stage: int) -> 
     )
 
 
+def bytes_per_param(stage: int, precision: Precision) -> tuple[int, int]:
+    """``(replicated, sharded)`` bytes per parameter of the model states at
+    ``precision``: a rank holds ``P * (replicated + sharded / W)`` (the table in the
+    module docstring)."""
+    m, p, r = precision.master.itemsize, precision.param.itemsize, precision.reduce.itemsize
+    master = m if precision.low_params else 0  # a separate master copy
+    reduced = m if precision.low_grads else 0  # the reduced gradient, summed in m
+    return {
+        0: (p + master + r + reduced + 2 * m, 0),
+        1: (p + r, master + reduced + 2 * m),
+        2: (p, master + m + 2 * m),
+        3: (0, m + (p if precision.low_params else 0) + m + 2 * m),
+    }[stage]
+
+
+def formula_bytes(
+    params: Mapping[np.dtype, int], world_size: int, stage: int,
+    precisions: Mapping[np.dtype, Precision] | None = None,
+) -> float:  # fmt: skip
+    """Model-state bytes per rank by :func:`bytes_per_param` (real-valued: ``P/W``
+    unrounded); without ``precisions`` (one dtype throughout) the ZeRO paper's."""
+    total = 0.0
+    for dtype, count in params.items():
+        dtype = np.dtype(dtype)
+        prec = precisions[dtype] if precisions else Precision(dtype, dtype, dtype)
+        replicated, sharded = bytes_per_param(stage, prec)
+        total += count * (replicated + sharded / world_size)
+    return total
+
+
 def estimate(
     specs: Sequence[tuple[str, Sequence[int], Any]],
     world_size: int,
@@ -113,6 +146,9 @@ def estimate(
     *,
     full_grads: bool = False,
     overlap: bool = True,
+    param_dtype: object = None,
+    reduce_dtype: object = None,
+    shared_memory: bool = False,
 ) -> dict[str, Any]:
     """The memory of ``ZeroOptimizer`` on ``rank`` of ``world_size``, without MPI.
 
@@ -121,6 +157,8 @@ def estimate(
     arguments.
     ``full_grads`` adds the stage-2 full gradient buffer that ``opt.grads``
     allocates on first use (ignored in other stages, which allocate nothing there).
+    ``param_dtype``, ``reduce_dtype`` and ``shared_memory`` are the optimizer's too
+    (shared memory: whether stages 2-3 would really use it, every rank on one node).
 
     Returns a dict:
 
@@ -136,9 +174,14 @@ def estimate(
     """
     checked = check_specs(specs)
     layout = optimizer_layout(checked, world_size, rank, stage, bucket_elems, group_of)
-    plan = buffer_plan(layout, stage, overlap)
+    precs = precisions(
+        list(layout.sizes), resolve_dtype(param_dtype, "param_dtype"),
+        resolve_dtype(reduce_dtype, "reduce_dtype"),
+    )  # fmt: skip
+    shared = shared_memory and stage >= 2
+    plan = buffer_plan(layout, stage, overlap, precs, shared)
     if full_grads and stage == 2:
-        plan += full_grads_plan(layout)
+        plan += full_grads_plan(layout, precs, shared)
     usage = dict.fromkeys(CATEGORIES, 0)
     buffers: dict[str, int] = {}
     for buf in plan:
@@ -161,6 +204,9 @@ def estimate(
         "buffers_bytes": total - exact,
         "total_bytes": total,
         "paper_bytes": paper_bytes(layout.sizes, world_size, stage),
+        "formula_bytes": formula_bytes(layout.sizes, world_size, stage, precs),
+        "bytes_per_param": {d.name: bytes_per_param(stage, p) for d, p in precs.items()},
+        "precision": {d.name: (p.param.name, p.reduce.name) for d, p in precs.items()},
     }
 
 
@@ -170,11 +216,10 @@ def estimate_max(
     stage: int,
     bucket_elems: int = DEFAULT_BUCKET_ELEMS,
     group_of: Callable[[str], str] = default_group,
-    *,
-    full_grads: bool = False,
-    overlap: bool = True,
+    **options: Any,
 ) -> dict[str, Any]:
-    """The maximum over ranks of every figure of :func:`estimate`: rank 0's.
+    """The maximum over ranks of every figure of :func:`estimate` (``options``: its
+    keyword arguments): rank 0's.
 
     ``shard_range`` gives rank 0 ``min(ceil(n/W), n)`` elements of every bucket of
     ``n``, at least as many as any other rank, and every planned buffer's size is
@@ -182,9 +227,7 @@ def estimate_max(
     rank 0 holds the most in every category and every buffer at once (this is what
     the driver's per-category ``max`` over ranks reports).
     """
-    return estimate(
-        specs, world_size, 0, stage, bucket_elems, group_of, full_grads=full_grads, overlap=overlap
-    )
+    return estimate(specs, world_size, 0, stage, bucket_elems, group_of, **options)
 
 
 def flat_specs(params: int, layer_elems: int, dtype: Any = np.float32) -> list[Spec]:

@@ -12,6 +12,7 @@ from typing import Any
 from .. import mlp
 from ..buffers import CATEGORIES
 from ..partition import DEFAULT_BUCKET_ELEMS, STAGES
+from ..precision import NAMES
 from . import Spec, estimate, estimate_max, flat_specs, mlp_specs
 
 
@@ -116,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the optimizer's overlap=False: one staging bucket instead of two (stages 2-3)",
     )
+    p.add_argument(
+        "--param-dtype", default=None, choices=NAMES,
+        help="the optimizer's param_dtype: the model's copy of the parameters and the gather",
+    )  # fmt: skip
+    p.add_argument(
+        "--reduce-dtype", default=None, choices=NAMES,
+        help="the optimizer's reduce_dtype: the gradients handed over and the reduction's wire",
+    )  # fmt: skip
+    p.add_argument(
+        "--shared-memory", action="store_true",
+        help="stages 2-3 reduce through node shared memory (every rank on one node)",
+    )  # fmt: skip
     p.add_argument("--per-rank", action="store_true", help="also give the figures of every rank")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
@@ -151,19 +164,30 @@ def _report(result: dict[str, Any], per_rank: list[dict[str, Any]] | None, model
     for category, count in r["usage"].items():
         lines.append(f"  {category:<24}{count:>16,}{_mib(count):>14}")
     lines.append(f"  {'total':<24}{r['total_bytes']:>16,}{_mib(r['total_bytes']):>14}")
-    diff = r["exact_bytes"] - r["paper_bytes"]
+    same = all(p == (d, d) for d, p in r["precision"].items())
+    formula = r["paper_bytes"] if same else r["formula_bytes"]
+    label = "paper formula" if same else "formula"
+    diff = r["exact_bytes"] - formula
+    per_param = "; ".join(
+        f"{d} as {p}/{g}: {a} B replicated + {b} B / W sharded per parameter"
+        for (d, (a, b)), (p, g) in zip(
+            r["bytes_per_param"].items(), r["precision"].values(), strict=True
+        )
+    )
     lines += [
         "",
-        "model states (parameters, gradients, 2 Adam moments) vs the ZeRO paper:",
+        "model states (parameters, gradients, 2 Adam moments) vs "
+        + ("the ZeRO paper:" if same else "the formula (master / param / reduce dtypes):"),
+        f"  {per_param}",
         f"  {'exact':<24}{r['exact_bytes']:>16,}{_mib(r['exact_bytes']):>14}",
-        f"  {'paper formula':<24}{r['paper_bytes']:>16,.1f}{_mib(r['paper_bytes']):>14}",
-        f"  {'exact - paper':<24}{diff:>16,.1f}",
+        f"  {label:<24}{formula:>16,.1f}{_mib(formula):>14}",
+        f"  {'exact - ' + label.split()[0]:<24}{diff:>16,.1f}",
         f"  {'buffers (not in paper)':<24}{r['buffers_bytes']:>16,}{_mib(r['buffers_bytes']):>14}",
         "",
         "named buffers:",
     ]
     for name, count in r["buffers"].items():
-        lines.append(f"  {name:<24}{count:>16,}{_mib(count):>14}")
+        lines.append(f"  {name:<32}{count:>16,}{_mib(count):>14}")
     if per_rank is not None:
         short = dict(
             zip(CATEGORIES, ("opt_states", "grads", "params", "comm_bufs", "scratch"), strict=True)
@@ -196,6 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bucket_elems": args.bucket_elems,
         "full_grads": args.full_grads,
         "overlap": not args.no_overlap,
+        "param_dtype": args.param_dtype,
+        "reduce_dtype": args.reduce_dtype,
+        "shared_memory": args.shared_memory,
     }
     result = estimate_max(specs, args.world, args.stage, **options)
     per_rank = None
