@@ -382,6 +382,11 @@ def test_checkpoints_hold_the_master_and_load_under_any_precision(mpi_tmp_path: 
         ):
             problems.append(f"header: {saved}")
         problems += differences(checkpoint.read(path), want, "checkpoint.read")
+        from zerompi.checkpoint.__main__ import summary
+
+        shown = summary(checkpoint.read_header(path), path)
+        if "param_dtype=bfloat16" not in shown or "reduce_dtype=float16" not in shown:
+            problems.append(f"inspect does not show the precision: {shown}")
         for name, sub in subs.items():
             for stage in (0, 1, 2, 3):
                 for p_dt, r_dt in ((None, None), ("float16", "bfloat16"), ("bfloat16", "float16")):
@@ -461,3 +466,76 @@ def test_formula_per_precision() -> None:
         (2, 16),
         (0, 18),
     ]
+
+
+# -- 7. the driver ----------------------------------------------------------------------------
+
+DRIVER_CASES = [
+    (1, ("--stage", "3", "--param-dtype", "bfloat16", "--reduce-dtype", "bfloat16",
+         "--micro-batches", "2")),
+    (1, ("--stage", "0", "--param-dtype", "float16", "--reduce-dtype", "float16")),
+    (3, ("--stage", "0", "--reduce-dtype", "bfloat16", "--adamw", "--weight-decay", "0.1")),
+    (3, ("--stage", "1", "--param-dtype", "bfloat16", "--micro-batches", "3", "--batch", "30")),
+    (3, ("--stage", "2", "--param-dtype", "bfloat16", "--reduce-dtype", "float16",
+         "--shared-memory")),
+    (4, ("--stage", "3", "--param-dtype", "float16", "--reduce-dtype", "bfloat16",
+         "--batch", "3")),
+]  # fmt: skip
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize(
+    ("ranks", "args"), DRIVER_CASES, ids=[" ".join(a[1::2]) + f" W={r}" for r, a in DRIVER_CASES]
+)
+def test_driver_matches_the_reference_with_roundings(
+    ranks: int, args: tuple[str, ...], tmp_path: Path
+) -> None:
+    """``--verify`` against the reference that rounds as the run does: bit for bit
+    on one rank; the textbook bytes in the run's dtypes."""
+    from test_driver import run_driver
+
+    result, text = run_driver(ranks, tmp_path, "--verify", "--steps", "20", *args)
+    assert result["verify_ok"], text
+    if ranks == 1:
+        assert result["max_abs_diff"] == 0.0, text
+    assert result["param_dtype"] == (
+        args[args.index("--param-dtype") + 1] if "--param-dtype" in args else "float32"
+    )
+    if result["micro_batches"] == 1:
+        total = sum(result["comm_bytes"].values())
+        slack = result["buckets"] if result["stage"] == 0 else 0
+        assert abs(total - result["comm_bytes_theory"]) <= slack, (result["comm_bytes"], text)
+    if result["batch"] >= 30:
+        assert result["loss_last"] < result["loss_first"]
+
+
+@pytest.mark.mpi_skip
+def test_bfloat16_training_ends_within_2_percent_of_float32(tmp_path: Path) -> None:
+    """200 steps of the default model at W=2, stage 2: bfloat16 parameters and
+    gradients end within 2 % of the float32 run's loss."""
+    from test_driver import run_driver
+
+    f32, _ = run_driver(2, tmp_path, "--steps", "200")
+    bf16, text = run_driver(2, tmp_path, "--steps", "200", "--param-dtype", "bfloat16",
+                            "--reduce-dtype", "bfloat16")  # fmt: skip
+    assert abs(bf16["loss_last"] - f32["loss_last"]) <= 0.02 * f32["loss_last"], text
+    assert bf16["comm_bytes_theory"] == f32["comm_bytes_theory"] / 2
+
+
+@pytest.mark.mpi_skip
+def test_float16_overflow_lowers_the_scale_and_training_goes_on(tmp_path: Path) -> None:
+    """A loss scale far too high: the first steps overflow, are skipped on every rank
+    and halve the scale until the gradients fit; the reference, which follows the
+    same scale, agrees bit for bit."""
+    from test_driver import run_driver
+
+    result, text = run_driver(2, tmp_path, "--steps", "60", "--verify", "--param-dtype",
+                              "float16", "--reduce-dtype", "float16", "--loss-scale",
+                              "dynamic:1e12")  # fmt: skip
+    scales = result["loss_scales"]
+    skipped = result["skipped_steps"]
+    assert 0 < skipped < 60, text
+    assert scales[: skipped + 1] == [1e12 / 2**k for k in range(skipped + 1)], scales
+    assert all(s == scales[skipped] for s in scales[skipped:]), scales
+    assert result["verify_ok"] and result["max_abs_diff"] == 0.0, text
+    assert result["loss_last"] < result["loss_first"]

@@ -148,7 +148,13 @@ class _Reduction(NamedTuple):
 
 def sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
     """``out`` (+)= the sum of ``parts`` in rank order, in ``out``'s dtype: never in
-    16 bits when the parts are narrower than ``out``."""
+    16 bits when the parts are narrower than ``out``. An overflow (inf, or inf - inf)
+    is no warning: the step's agreement counts it, and loss scaling expects it."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        _sum_parts(out, parts, add)
+
+
+def _sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
     if add:
         for part in parts:
             np.add(out, part, out=out)

@@ -129,6 +129,25 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         help="dtype of the parameters, gradients, optimizer state and data",
     )
     p.add_argument(
+        "--param-dtype",
+        choices=("bfloat16", "float16"),
+        help="mixed precision: the parameters the model computes from (upcast to --dtype "
+        "per layer) and the gather's wire; the master copy and Adam stay in --dtype",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=("bfloat16", "float16"),
+        help="mixed precision: the gradients handed over and the reduction's wire "
+        "(summed in --dtype, never in 16 bits)",
+    )
+    p.add_argument(
+        "--loss-scale",
+        metavar="dynamic|dynamic:INIT|N",
+        help="multiply the loss gradient by a scale that step() divides out: 'dynamic' "
+        "(torch's GradScaler, from 2**16; the default with --reduce-dtype float16), "
+        "dynamic from INIT, or a static number",
+    )
+    p.add_argument(
         "--bucket-elems",
         type=positive,
         default=DEFAULT_BUCKET_ELEMS,

@@ -77,7 +77,7 @@ def summary(r: dict[str, Any], check: dict[str, Any] | None) -> str:
         else f"step {r['steps']} reached"
     )
     lines = [
-        f"summary: {r['params']:,} params ({r['dtype']}), world size {r['world_size']}, "
+        f"summary: {r['params']:,} params ({precision_words(r)}), world size {r['world_size']}, "
         f"stage {r['stage']}, {r['buckets']} bucket(s), batch {r['batch']} in "
         f"{r['micro_batches']} micro-batch(es)",
         f"  loss {r['loss_first']:.4f} -> {r['loss_last']:.4f} over {r['steps_run']} steps "
@@ -102,3 +102,15 @@ def summary(r: dict[str, Any], check: dict[str, Any] | None) -> str:
             f"{check['grad_norm_tolerance']:g}; reference {check['reference_s']:.2f} s)"
         )
     return "\n".join(lines)
+
+
+def precision_words(r: dict) -> str:
+    """``float32``, or ``float32 master, bfloat16 params, float16 gradients, loss scale
+    65536 -> 512`` with mixed precision."""
+    if (r["param_dtype"], r["reduce_dtype"]) == (r["dtype"], r["dtype"]):
+        return r["dtype"]
+    words = f"{r['dtype']} master, {r['param_dtype']} params, {r['reduce_dtype']} gradients"
+    scales = r["loss_scales"]
+    if scales and (scales[0] != 1.0 or scales[-1] != 1.0):
+        words += f", loss scale {scales[0]:g} -> {scales[-1]:g}"
+    return words

@@ -11,6 +11,7 @@ ever holds the whole initial model outside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from ..mpi.collectives import Comm
 from ..mpi.launch import library_version
 from ..optimizer import PHASES
 from ..partition import shard_range
+from ..precision import LossScale
 from ..runtime import clock, current_rss_bytes
 
 if TYPE_CHECKING:
@@ -37,6 +39,19 @@ COMM_OPS = ("reduce_scatter", "allgather", "allreduce")
 #: or a reduce-scatter and an allgather; stage 3 gathers every layer twice (forward
 #: and backward).
 COMM_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}
+
+
+def comm_theory(args: argparse.Namespace, params: int, world: int) -> float:
+    """Bytes every rank sends per step without accumulation: every parameter's bytes
+    on each wire, times (W-1)/W (:data:`COMM_FACTOR` in one dtype; with
+    ``--param-dtype``/``--reduce-dtype``, the reduction in the reduce dtype and the
+    gathers in the parameter dtype; stage 0's 16-bit reduction gathers the reduced
+    shards in the master dtype)."""
+    m = np.dtype(args.dtype).itemsize
+    p = 2 if args.param_dtype else m
+    r = 2 if args.reduce_dtype else m
+    per = {0: r + (m if args.reduce_dtype else r), 1: r + p, 2: r + p, 3: r + 2 * p}
+    return per[args.stage] * params * (world - 1) / world
 
 
 # -- checkpoints -------------------------------------------------------------------
@@ -105,12 +120,27 @@ def micro_batch(
     acts = [x]  # the input of every layer
     for i, name in enumerate(names):
         with opt.gathered(name) as p:
-            acts.append(mlp.layer_forward(p, i, acts[-1], last=i == last))
+            acts.append(mlp.layer_forward(upcast(p, x.dtype), i, acts[-1], last=i == last))
     loss, delta = mlp.loss_grad(acts.pop(), y, scale)
-    for i in range(last, -1, -1):
-        with opt.gathered(names[i]) as p, opt.gradients(names[i]) as g:
-            delta = mlp.layer_backward(p, g, i, acts.pop(), delta, first=i == 0)
+    # A scaled gradient may overflow its 16-bit dtype: step() skips it and lowers the
+    # loss scale, which is the point; numpy need not warn about it.
+    quiet = np.errstate(over="ignore", invalid="ignore") if opt.scaler else contextlib.nullcontext()
+    with quiet:
+        for i in range(last, -1, -1):
+            with opt.gathered(names[i]) as p, opt.gradients(names[i]) as g:
+                delta = mlp.layer_backward(
+                    upcast(p, x.dtype), g, i, acts.pop(), delta, first=i == 0
+                )
     return loss
+
+
+def upcast(p: dict[str, np.ndarray], dtype: np.dtype) -> dict[str, np.ndarray]:
+    """A layer's parameters in the compute dtype: 16-bit ones (``--param-dtype``)
+    upcast, one layer at a time, as CPUs without 16-bit matmuls compute; gradients
+    are rounded to ``--reduce-dtype`` where they are added into the optimizer's."""
+    if all(a.dtype == dtype for a in p.values()):
+        return p
+    return {name: a.astype(dtype) for name, a in p.items()}
 
 
 def warm_up(comm: Comm, args: argparse.Namespace) -> None:
@@ -162,7 +192,25 @@ def make_optimizer(args: argparse.Namespace, comm: Comm) -> ZeroOptimizer:
         max_norm=args.max_norm,
         nonfinite=args.nonfinite,
         shared_memory=args.shared_memory,
+        param_dtype=args.param_dtype,
+        reduce_dtype=args.reduce_dtype,
+        loss_scale=loss_scale_arg(args.loss_scale),
     )
+
+
+def loss_scale_arg(value: str | None) -> str | float | LossScale | None:
+    """``--loss-scale``: ``dynamic``, ``dynamic:INIT`` (dynamic from INIT instead of
+    2**16), a number (static), or none given."""
+    if value is None or value == "dynamic":
+        return value
+    try:
+        if value.startswith("dynamic:"):
+            return LossScale(init=float(value.partition(":")[2]))
+        return float(value)
+    except ValueError:
+        raise ValueError(
+            f"--loss-scale must be 'dynamic', 'dynamic:INIT' or a number, got {value!r}"
+        ) from None
 
 
 def resume(opt: ZeroOptimizer, args: argparse.Namespace) -> int:
@@ -205,6 +253,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         )
     # Per-step records, allocated up front so that a long run's memory stays flat.
     losses, step_s, train_s, norms = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+    scales = np.zeros(n)  # the loss scale each step used
     phase_s = {phase: np.zeros(n) for phase in PHASES}
     sent = {op: np.zeros(n, np.int64) for op in COMM_OPS}
     rss_trace: list[list[int]] = []  # [step, max current RSS over ranks] when logging
@@ -219,10 +268,12 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
                 args.seed, step, micro, micro_rows, args.in_dim, args.classes, dtype
             )
             lo, hi = shard_range(micro_rows, world, rank)
-            local_loss += micro_batch(opt, names, x[lo:hi], y[lo:hi], world / micro_rows)
+            scale = world / micro_rows * opt.loss_scale
+            local_loss += micro_batch(opt, names, x[lo:hi], y[lo:hi], scale)
             t0 = clock()
             opt.accumulate()
             optimizer += clock() - t0
+        scales[i] = opt.loss_scale  # what this step's gradients were scaled by
         t0 = clock()
         opt.step()
         end = clock()
@@ -290,7 +341,10 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         # Bytes sent per step and collective: mean over ranks, and the busiest rank.
         "comm_bytes": {op: comm.sum(v) / world for op, v in step_sent.items()},
         "comm_bytes_max": {op: int(comm.max(v)) for op, v in step_sent.items()},
-        "comm_bytes_theory": COMM_FACTOR[args.stage] * params * itemsize * (world - 1) / world,
+        "comm_bytes_theory": comm_theory(args, params, world),
+        "param_dtype": args.param_dtype or args.dtype,
+        "reduce_dtype": args.reduce_dtype or args.dtype,
+        "loss_scales": scales.tolist(),
         "memory_bytes": memory,
         "memory_buffers": buffers,
         # What the model keeps for backward on the busiest rank: its rows of the largest

@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import mlp
+from ..partition import shard_range
+from ..precision import loss_scale_of, resolve_dtype
 from ..reference import ReferenceAdam, average
 from ..runtime import clock
-from .training import micro_batch_rows
+from .training import loss_scale_arg, micro_batch_rows
 
 if TYPE_CHECKING:
     from .. import ZeroOptimizer
@@ -39,6 +41,69 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 #: Largest accepted relative difference between a step's gradient norm and the
 #: reference's (the largest over the steps run).
 NORM_TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+
+
+def _rounded(
+    params: dict[str, np.ndarray], low: str | None, dtype: np.dtype
+) -> dict[str, np.ndarray]:
+    """``params`` as the model computes with them: rounded to ``low`` and upcast."""
+    if low is None:
+        return params
+    low_dt = resolve_dtype(low, "param_dtype")
+    return {n: p.astype(low_dt).astype(dtype) for n, p in params.items()}
+
+
+def mixed_reference(
+    args: argparse.Namespace, world: int
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The reference with the run's roundings (``--param-dtype``/``--reduce-dtype``):
+    forward and backward from the master rounded to the parameter dtype and upcast;
+    each rank's gradient (its rows, scaled as the driver scales it, loss scale
+    included) rounded to the reduce dtype, summed in the master dtype in rank order
+    and micro-batch order, divided as ``step()`` divides; a non-finite sum skips the
+    step and moves the loss scale as :class:`zerompi.precision.LossScale` does. On
+    one rank the same operations in the same order as the run: bit for bit."""
+    dtype = np.dtype(args.dtype)
+    sizes = mlp.layer_sizes(args.in_dim, args.hidden, args.depth, args.classes)
+    ref = ReferenceAdam(
+        mlp.init_params(sizes, args.seed, dtype),
+        lr=args.lr, weight_decay=args.weight_decay, decoupled_weight_decay=args.adamw,
+    )  # fmt: skip
+    reduce = resolve_dtype(args.reduce_dtype, "reduce_dtype") if args.reduce_dtype else dtype
+    scaler = loss_scale_of(loss_scale_arg(args.loss_scale), reduce if args.reduce_dtype else None)
+    rows = micro_batch_rows(args.batch, args.micro_batches)
+    norms = np.zeros(args.steps)
+    for step in range(args.steps):
+        scale = 1.0 if scaler is None else scaler.scale
+        used = _rounded(ref.params, args.param_dtype, dtype)
+        total = {name: np.zeros_like(p) for name, p in ref.params.items()}
+        for micro, micro_rows in enumerate(rows):
+            x, y = mlp.make_batch(
+                args.seed, step, micro, micro_rows, args.in_dim, args.classes, dtype
+            )
+            for rank in range(world):
+                lo, hi = shard_range(micro_rows, world, rank)
+                grads = {name: np.zeros_like(p) for name, p in ref.params.items()}
+                mlp.loss_and_grad(used, x[lo:hi], y[lo:hi], grads, world / micro_rows * scale)
+                with np.errstate(over="ignore", invalid="ignore"):  # an overflow: skipped below
+                    for name, g in grads.items():
+                        total[name] += g.astype(reduce)
+        divisor = float(world * len(rows)) * scale
+        with np.errstate(over="ignore", invalid="ignore"):
+            sumsq = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in total.values())
+        norms[step] = np.sqrt(sumsq) / divisor
+        if not np.isfinite(norms[step]):
+            if scaler is not None:
+                scaler.update(True, step + 1)
+            continue
+        if scaler is not None:
+            scaler.update(False, step + 1)
+        if args.max_norm is not None:
+            coef = args.max_norm / (norms[step] + 1e-6)
+            if coef < 1.0:
+                divisor /= coef
+        ref.step({name: g / divisor for name, g in total.items()})
+    return ref.params, norms
 
 
 def reference_params(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -75,6 +140,30 @@ def reference_params(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], n
     return ref.params, norms
 
 
+def mixed_tolerance(args: argparse.Namespace, world: int) -> float:
+    """Bit for bit on one rank without ``--max-norm`` (whose norm the reference sums
+    in another order); otherwise a rank's rounding of a gradient that the reference
+    forms over the same rows in another BLAS call may land one 16-bit step apart
+    (2**-8 relative for bfloat16, 2**-11 for float16), and Adam spreads that."""
+    if world == 1 and args.max_norm is None:
+        return 0.0
+    return 1e-2 if "bfloat16" in (args.param_dtype, args.reduce_dtype) else 2e-3
+
+
+def norm_difference(ours: np.ndarray, theirs: np.ndarray) -> float:
+    """The largest relative difference of two runs' gradient norms; a step skipped
+    for a non-finite gradient must be non-finite in both (else ``inf``)."""
+    if ours.size != theirs.size:
+        return float("inf")
+    finite = np.isfinite(theirs)
+    if not np.array_equal(finite, np.isfinite(ours)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    a, b = ours[finite], theirs[finite]
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-300)))
+
+
 def _relative(a: np.ndarray, b: np.ndarray) -> float:
     """``max |a - b| / max |b|`` (the absolute difference if ``b`` is all zeros)."""
     diff = float(np.max(np.abs(a - b))) if b.size else 0.0
@@ -91,22 +180,19 @@ def verify(
     in the final allgather. Every rank gets the result, with ``ok``."""
     full = opt.full_params()
     result = None
+    mixed = bool(args.param_dtype or args.reduce_dtype)
     if opt.comm.rank == 0:
         start = clock()
-        ref, ref_norms = reference_params(args)
+        ref, ref_norms = mixed_reference(args, opt.comm.size) if mixed else reference_params(args)
         max_abs = max(float(np.max(np.abs(full[n] - ref[n]))) for n in ref)
         scale = max(float(np.max(np.abs(p))) for p in ref.values())
         ours = np.asarray(grad_norms, dtype=np.float64)
         theirs = ref_norms[first_step:]
-        norm_diff = (
-            float(np.max(np.abs(ours - theirs) / np.maximum(np.abs(theirs), 1e-300)))
-            if ours.size == theirs.size
-            else float("inf")
-        )
+        norm_diff = norm_difference(ours, theirs)
         result = {
             "max_abs_diff": max_abs,
             "max_rel_diff": max_abs / scale if scale else max_abs,
-            "tolerance": TOLERANCE[args.dtype],
+            "tolerance": mixed_tolerance(args, opt.comm.size) if mixed else TOLERANCE[args.dtype],
             "grad_norm_rel_diff": norm_diff,
             "grad_norm_tolerance": NORM_TOLERANCE[args.dtype],
             "reference_s": clock() - start,
