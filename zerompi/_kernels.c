@@ -72,77 +72,48 @@ static int variant_auto = V_BASELINE;     /* the best supported: normal calls */
 static inline uint32_t f32_bits(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 static inline float bits_f32(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
+/* Branch-free (selects, not jumps), so that the loops below stay vectorized. */
 static inline uint16_t
 f32_to_bf16(float x)
 {
-    uint32_t u = f32_bits(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t u = f32_bits(x);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
 }
 
 static inline uint16_t
 f32_to_f16(float x)
 {
-    uint32_t u = f32_bits(x);
-    const uint32_t sign = u & 0x80000000u;
-    u ^= sign;
-    uint16_t o;
-    if (u >= 0x47800000u) {                  /* >= 65536, inf or NaN */
-        o = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
-    } else if (u < 0x38800000u) {            /* a subnormal half, or zero */
-        const uint32_t magic = 126u << 23;   /* 0.5f: the FPU rounds to nearest even */
-        o = (uint16_t)(f32_bits(bits_f32(u) + bits_f32(magic)) - magic);
-    } else {
-        const uint32_t odd = (u >> 13) & 1u;
-        u += 0xc8000fffu + odd;              /* rebias the exponent (-112 << 23), round */
-        o = (uint16_t)(u >> 13);
-    }
+    const uint32_t all = f32_bits(x);
+    const uint32_t sign = all & 0x80000000u, u = all ^ sign;
+    /* >= 65536, inf or NaN */
+    const uint32_t big = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    /* a subnormal half, or zero: the significand in units of 2**-24, rounded to
+     * nearest even, in integers only (a float add here keeps GCC from vectorizing) */
+    const uint32_t e = u >> 23, sig = (u & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - e < 31u ? 126u - e : 31u; /* e <= 112 here: >= 14 */
+    const uint32_t q = sig >> shift, rem = sig & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    const uint32_t sub = q + ((rem > half) | ((rem == half) & q & 1u));
+    /* normal: rebias the exponent (-112 << 23) and round */
+    const uint32_t normal = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;
+    const uint32_t o = u >= 0x47800000u ? big : (u < 0x38800000u ? sub : normal);
     return (uint16_t)(o | (sign >> 16));
 }
 
 static inline float
 f64_to_f32_odd(double x)
 {
-    float f = (float)x;
-    if ((double)f != x && isfinite(x) && isfinite(f)) {
-        uint32_t u = f32_bits(f);
-        if (fabs((double)f) > fabs(x)) u -= 1u; /* rounded away from zero: truncate */
-        f = bits_f32(u | 1u);                  /* the sticky bit */
-    }
-    return f;
+    const float f = (float)x;
+    const uint32_t u = f32_bits(f);
+    const int away = fabs((double)f) > fabs(x);    /* rounded away from zero */
+    const uint32_t odd = (u - (uint32_t)away) | 1u; /* truncated, with the sticky bit */
+    const int inexact = (double)f != x && isfinite(x) && isfinite(f);
+    return bits_f32(inexact ? odd : u);
 }
 
 static inline uint16_t f64_to_bf16(double x) { return f32_to_bf16(f64_to_f32_odd(x)); }
 static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x)); }
-
-/* The Adam loop that also writes the rounded copy of the updated parameter. */
-#define ADAM_LOW_LOOP(NAME, ATTR, T, SQRT, CONV)                                      \
-    ATTR static void NAME(T *restrict p, const T *restrict g, T *restrict m,             \
-                          T *restrict v, uint16_t *restrict low, Py_ssize_t n,          \
-                          double lr_, double b1_, double b2_, double eps_, double wd_,  \
-                          int decoupled, double bc1_, double bc2_, double div_) {       \
-        const T lr = (T)lr_, b1 = (T)b1_, b2 = (T)b2_, eps = (T)eps_;                  \
-        const T omb1 = (T)(1.0 - b1_), omb2 = (T)(1.0 - b2_);                          \
-        const T wd = (T)wd_, bc1 = (T)bc1_, bc2 = (T)bc2_, div = (T)div_;              \
-        const int divide = div_ != 1.0, l2 = wd_ != 0.0 && !decoupled,                 \
-                  dec = wd_ != 0.0 && decoupled;                                       \
-        for (Py_ssize_t i = 0; i < n; i++) {                                           \
-            T gi = g[i];                                                               \
-            const T pi = p[i];                                                         \
-            if (divide) gi = gi / div;                                                 \
-            if (l2) gi = gi + pi * wd;                                                 \
-            const T mi = m[i] * b1 + gi * omb1;                                        \
-            const T vi = v[i] * b2 + (gi * gi) * omb2;                                 \
-            T u = (mi / bc1) / (SQRT(vi / bc2) + eps);                                 \
-            if (dec) u = u + pi * wd;                                                  \
-            const T pn = pi - u * lr;                                                  \
-            m[i] = mi;                                                                 \
-            v[i] = vi;                                                                 \
-            p[i] = pn;                                                                 \
-            low[i] = CONV(pn);                                                         \
-        }                                                                              \
-    }
 
 /* Only the rounded copy (after a load, or for a kernel-less check). */
 #define ROUND_LOOP(NAME, ATTR, T, CONV)                                                \
@@ -175,12 +146,6 @@ typedef void (*adam_f32_fn)(float *restrict, const float *restrict, float *restr
 typedef void (*adam_f64_fn)(double *restrict, const double *restrict, double *restrict,
                             double *restrict, Py_ssize_t, double, double, double, double,
                             double, int, double, double, double);
-typedef void (*adam_low_f32_fn)(float *restrict, const float *restrict, float *restrict,
-                                float *restrict, uint16_t *restrict, Py_ssize_t, double,
-                                double, double, double, double, int, double, double, double);
-typedef void (*adam_low_f64_fn)(double *restrict, const double *restrict, double *restrict,
-                                double *restrict, uint16_t *restrict, Py_ssize_t, double,
-                                double, double, double, double, int, double, double, double);
 typedef void (*round_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*round_f64_fn)(const double *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*stats_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t *, double *);
@@ -190,10 +155,6 @@ typedef void (*stats_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t *, d
 #define VARIANT_LOOPS(SUFFIX, ATTR)                                            \
     ADAM_LOOP(adam_float_##SUFFIX, ATTR, float, sqrtf)                        \
     ADAM_LOOP(adam_double_##SUFFIX, ATTR, double, sqrt)                       \
-    ADAM_LOW_LOOP(adam_float_bf16_##SUFFIX, ATTR, float, sqrtf, f32_to_bf16)  \
-    ADAM_LOW_LOOP(adam_float_f16_##SUFFIX, ATTR, float, sqrtf, f32_to_f16)    \
-    ADAM_LOW_LOOP(adam_double_bf16_##SUFFIX, ATTR, double, sqrt, f64_to_bf16) \
-    ADAM_LOW_LOOP(adam_double_f16_##SUFFIX, ATTR, double, sqrt, f64_to_f16)   \
     ROUND_LOOP(round_float_bf16_##SUFFIX, ATTR, float, f32_to_bf16)           \
     ROUND_LOOP(round_float_f16_##SUFFIX, ATTR, float, f32_to_f16)             \
     ROUND_LOOP(round_double_bf16_##SUFFIX, ATTR, double, f64_to_bf16)         \
@@ -214,8 +175,6 @@ static adam_f64_fn adam_double_v[N_VARIANTS];
 static stats_f32_fn stats_float_v[N_VARIANTS];
 static stats_f64_fn stats_double_v[N_VARIANTS];
 /* [variant][0: bfloat16, 1: float16] */
-static adam_low_f32_fn adam_float_low_v[N_VARIANTS][2];
-static adam_low_f64_fn adam_double_low_v[N_VARIANTS][2];
 static round_f32_fn round_float_v[N_VARIANTS][2];
 static round_f64_fn round_double_v[N_VARIANTS][2];
 
@@ -223,10 +182,6 @@ static round_f64_fn round_double_v[N_VARIANTS][2];
     do {                                                      \
         adam_float_v[V] = adam_float_##SUFFIX;                \
         adam_double_v[V] = adam_double_##SUFFIX;              \
-        adam_float_low_v[V][0] = adam_float_bf16_##SUFFIX;    \
-        adam_float_low_v[V][1] = adam_float_f16_##SUFFIX;     \
-        adam_double_low_v[V][0] = adam_double_bf16_##SUFFIX;  \
-        adam_double_low_v[V][1] = adam_double_f16_##SUFFIX;   \
         round_float_v[V][0] = round_float_bf16_##SUFFIX;      \
         round_float_v[V][1] = round_float_f16_##SUFFIX;       \
         round_double_v[V][0] = round_double_bf16_##SUFFIX;    \
@@ -235,6 +190,23 @@ static round_f64_fn round_double_v[N_VARIANTS][2];
         stats_double_v[V] = stats_double_##SUFFIX;            \
         variant_built[V] = 1;                                 \
     } while (0)
+
+#ifdef X86_VARIANTS
+#include <immintrin.h>
+/* float -> float16 with the F16C instruction (every AVX2 CPU has it): round to
+ * nearest even in hardware, the same bits as f32_to_f16, 8 at a time. */
+__attribute__((target("avx2,f16c"))) static void
+round_float_f16_f16c(const float *restrict p, uint16_t *restrict low, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(p + i);
+        const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(void *)(low + i), h);
+    }
+    for (; i < n; i++) low[i] = f32_to_f16(p[i]);
+}
+#endif
 
 static void
 init_variants(void)
@@ -245,9 +217,11 @@ init_variants(void)
     __builtin_cpu_init();
     REGISTER(V_AVX2, avx2);
     variant_supported[V_AVX2] = __builtin_cpu_supports("avx2") != 0;
+    if (__builtin_cpu_supports("f16c")) round_float_v[V_AVX2][1] = round_float_f16_f16c;
 #ifdef HAVE_AVX512F
     REGISTER(V_AVX512F, avx512f);
     variant_supported[V_AVX512F] = __builtin_cpu_supports("avx512f") != 0;
+    if (__builtin_cpu_supports("f16c")) round_float_v[V_AVX512F][1] = round_float_f16_f16c;
 #endif
 #endif
     for (int v = 0; v < N_VARIANTS; v++)
@@ -309,6 +283,34 @@ PyDoc_STRVAR(adam_doc,
 "contiguous uint16 array of as many elements, into which the same pass writes the\n"
 "updated parameters rounded to nearest even to bfloat16 (low_kind=0) or float16\n"
 "(low_kind=1).");
+
+/* Adam that also writes the rounded copy of the updated parameters: block by block,
+ * the Adam loop then the rounding loop over the block while it is in L1 cache (one
+ * pass over memory. In one loop body GCC no longer unswitches Adam's invariant
+ * branches, nor vectorizes it: 8x slower). */
+#define LOW_BLOCK 2048
+static void
+adam_low(char kind, int variant, int low_kind, Py_buffer *views, uint16_t *low, Py_ssize_t n,
+         double lr, double b1, double b2, double eps, double wd, int decoupled, double bc1,
+         double bc2, double div)
+{
+    for (Py_ssize_t lo = 0; lo < n; lo += LOW_BLOCK) {
+        const Py_ssize_t k = n - lo < LOW_BLOCK ? n - lo : LOW_BLOCK;
+        if (kind == 'f') {
+            float *p = (float *)views[0].buf + lo;
+            adam_float_v[variant](p, (float *)views[1].buf + lo, (float *)views[2].buf + lo,
+                                  (float *)views[3].buf + lo, k, lr, b1, b2, eps, wd,
+                                  decoupled, bc1, bc2, div);
+            round_float_v[variant][low_kind](p, low + lo, k);
+        } else {
+            double *p = (double *)views[0].buf + lo;
+            adam_double_v[variant](p, (double *)views[1].buf + lo,
+                                   (double *)views[2].buf + lo, (double *)views[3].buf + lo,
+                                   k, lr, b1, b2, eps, wd, decoupled, bc1, bc2, div);
+            round_double_v[variant][low_kind](p, low + lo, k);
+        }
+    }
+}
 
 /* The uint16 array `obj` of `n` elements for a rounded copy, or -1 with an exception. */
 static int
@@ -383,14 +385,9 @@ adam(PyObject *self, PyObject *args, PyObject *kwargs)
         have_low = 1;
     }
     Py_BEGIN_ALLOW_THREADS
-    if (have_low && kind == 'f')
-        adam_float_low_v[variant][low_kind](views[0].buf, views[1].buf, views[2].buf,
-                                            views[3].buf, low_view.buf, n, lr, b1, b2, eps,
-                                            wd, decoupled, bc1, bc2, div);
-    else if (have_low)
-        adam_double_low_v[variant][low_kind](views[0].buf, views[1].buf, views[2].buf,
-                                             views[3].buf, low_view.buf, n, lr, b1, b2, eps,
-                                             wd, decoupled, bc1, bc2, div);
+    if (have_low)
+        adam_low(kind, variant, low_kind, views, low_view.buf, n, lr, b1, b2, eps, wd,
+                 decoupled, bc1, bc2, div);
     else if (kind == 'f')
         adam_float_v[variant](views[0].buf, views[1].buf, views[2].buf, views[3].buf, n, lr,
                               b1, b2, eps, wd, decoupled, bc1, bc2, div);

@@ -104,6 +104,14 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch peers")
     p.add_argument(
+        "--param-dtype", choices=("bfloat16", "float16"),
+        help="also time every stage with this param_dtype (rows next to the --dtype ones)",
+    )  # fmt: skip
+    p.add_argument(
+        "--reduce-dtype", choices=("bfloat16", "float16"),
+        help="also time every stage with this reduce_dtype (with --param-dtype, both)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-shared-memory",
         action="store_true",
         help="stages 2-3 reduce through MPI messages, not the optimizer's shared-memory "

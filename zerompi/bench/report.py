@@ -55,6 +55,29 @@ def targets(
     return out
 
 
+def mixed_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The mixed-precision rows (``--param-dtype``/``--reduce-dtype``), each next to
+    its stage's row in ``--dtype``: times, bytes sent per step, and the ratio."""
+    if not rows:
+        return []
+    lines = [
+        "mixed precision (each right after its stage in the master dtype; bytes sent "
+        "per step and rank)",
+        f"{'stage':>5} {'params':>12} {'params/grads':>18} {'step_ms':>9} {'rs_ms':>9} "
+        f"{'adam_ms':>9} {'ag_ms':>9} {'rs_bytes':>12} {'ag_bytes':>12} {'vs_same':>7}",
+    ]
+    for r in sorted(rows, key=lambda r: (r["params"], r["stage"])):
+        ph, sent = r["phase_ms"], r["comm_bytes"]
+        lines.append(
+            f"{r['stage']:>5} {r['params']:>12,} "
+            f"{r['param_dtype'] + '/' + r['reduce_dtype']:>18} {r['step_ms']:>9.3f} "
+            f"{ph['reduce_scatter']:>9.3f} {ph['adam']:>9.3f} {ph['allgather']:>9.3f} "
+            f"{sent['reduce_scatter']:>12,.0f} {sent['allgather']:>12,.0f} "
+            f"{_fmt(r.get('vs_same_stage'), '.2f'):>7}"
+        )
+    return lines
+
+
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     """``value`` formatted, or ``-`` when missing."""
     return "-" if value is None else format(value, spec)
@@ -77,7 +100,8 @@ def table(results: dict[str, Any]) -> str:
         f"{results['dtype']}, median of {results['steps']} steps (ms, slowest rank)",
         head,
     ]
-    for r in sorted(results["rows"], key=lambda r: (r["params"], r["stage"])):
+    same = [r for r in results["rows"] if "kernel" in r]  # the float32 (--dtype) rows
+    for r in sorted(same, key=lambda r: (r["params"], r["stage"])):
         t = r.get("torch", {})
         ph = r["phase_ms"]
         lines.append(
@@ -87,6 +111,7 @@ def table(results: dict[str, Any]) -> str:
             f"{_fmt(t.get('ddp_fused_ms')):>9} {_fmt(t.get('zero_ms')):>9} "
             f"{_fmt(r.get('vs_ddp'), '.2f'):>7} {_fmt(r.get('vs_zero'), '.2f'):>7}"
         )
+    lines.extend(mixed_table([r for r in results["rows"] if "kernel" not in r]))
     lines.extend(tensor_table(results.get("many_tensors", [])))
     for k in results["kernels"]:
         torch_part = (

@@ -36,11 +36,18 @@ def bench_size(
     dtype = np.dtype(args.dtype)
     sizes = tensor_sizes(params, args.tensor_elems)
     grads = make_grads(sizes, args.seed, comm.rank, dtype)
-    rows = []
+    rows, mixed = [], []
+    precision = (args.param_dtype, args.reduce_dtype)
     for stage in args.stages:
         row = bench_stage(comm, stage, sizes, grads, args)
         say(comm, f"{params:,} params, stage {stage}: step {row['step_ms']:.3f} ms")
         rows.append(row)
+        if any(precision):  # the same stage in mixed precision, right after
+            low = bench_stage(comm, stage, sizes, grads, args, precision)
+            low["vs_same_stage"] = ratio(low["step_ms"], row["step_ms"])
+            say(comm, f"{params:,} params, stage {stage}, {low['param_dtype']} params, "
+                      f"{low['reduce_dtype']} gradients: step {low['step_ms']:.3f} ms")  # fmt: skip
+            mixed.append(low)
     base = bench_baseline(comm, params, args)
     say(comm, f"{params:,} params, bare MPI + kernel: " + fmt_dict(base))
     peer = None
@@ -67,7 +74,7 @@ def bench_size(
             row["torch"] = peer
             row["vs_ddp"] = ratio(row["step_ms"], peer["ddp_fused_ms"])
             row["vs_zero"] = ratio(row["step_ms"], peer["zero_ms"])
-    return rows
+    return rows + mixed
 
 
 def run(args: argparse.Namespace, comm: Comm, argv: Sequence[str]) -> dict[str, Any]:
@@ -92,6 +99,8 @@ def _measure(
         f"{torch.__version__ if torch is not None else 'not used'}, sizes "
         f"{', '.join(f'{s:,}' for s in args.sizes)}, stages {args.stages}, "
         f"{args.steps} timed steps after {args.warmup} warm-up"
+        + (f", also {args.param_dtype or args.dtype} params / {args.reduce_dtype or args.dtype} "
+           "gradients" if args.param_dtype or args.reduce_dtype else "")
         + (f", {args.tensors:,} tensors of {args.tensor_size:,}" if args.tensors else ""),
     )
     rows: list[dict[str, Any]] = []
@@ -105,7 +114,7 @@ def _measure(
             f"wall {row['wall_ms']:.3f} ms, {row['us_per_tensor']:.2f} us per tensor, "
             f"{row['overhead_us_per_tensor']:.2f} above the bare collectives",
         )
-    kernels = {row["kernel"]["n"]: row["kernel"] for row in rows}
+    kernels = {row["kernel"]["n"]: row["kernel"] for row in rows if "kernel" in row}
     return {
         "world_size": comm.size,
         "mpi_library": library_version(),
@@ -122,5 +131,5 @@ def _measure(
         "argv": list(argv),
         "rows": rows,
         "many_tensors": tensor_rows,
-        "targets": targets(rows, tensor_rows),
+        "targets": targets([r for r in rows if "kernel" in r], tensor_rows),
     }

@@ -91,8 +91,11 @@ def bench_stage(
     sizes: Sequence[int],
     grads: dict[str, np.ndarray],
     args: argparse.Namespace,
+    precision: tuple[str | None, str | None] = (None, None),
 ) -> dict[str, Any]:
-    """Time ``--steps`` iterations of ``stage`` (after ``--warmup``); one row."""
+    """Time ``--steps`` iterations of ``stage`` (after ``--warmup``); one row.
+    ``precision``: the optimizer's ``(param_dtype, reduce_dtype)`` (the gradients
+    are cast to the reduce dtype once, beforehand, as a model would produce them)."""
     dtype = np.dtype(args.dtype)
     params = sum(sizes)
     from .. import ZeroOptimizer
@@ -104,7 +107,13 @@ def bench_stage(
         lr=LR,
         bucket_elems=args.bucket_elems,
         shared_memory=not args.no_shared_memory,
+        param_dtype=precision[0],
+        reduce_dtype=precision[1],
+        loss_scale=1.0 if precision[1] else None,
     )
+    if precision[1]:
+        low = next(iter(opt.precisions.values())).reduce
+        grads = {name: g.astype(low) for name, g in grads.items()}
     shared = opt.shared_memory
     names = list(grads)
     step_s: list[float] = []
@@ -153,6 +162,8 @@ def bench_stage(
     return {
         "stage": stage,
         "params": params,
+        "param_dtype": precision[0] or args.dtype,
+        "reduce_dtype": precision[1] or args.dtype,
         "world_size": comm.size,
         "tensors": len(sizes),
         "buckets": buckets,
