@@ -111,6 +111,34 @@ def test_adam_writes_the_rounded_copy_in_its_pass(
     assert out is not None and np.array_equal(out.view(np.uint16), p.astype(low_dt).view(np.uint16))
 
 
+@pytest.mark.parametrize(("kernel", "variant"), KERNELS)
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+@pytest.mark.parametrize("add", [False, True])
+def test_accumulate_matches_numpys_mixed_add(
+    kernel: str, variant: str | None, out_dtype: type, low: str, add: bool
+) -> None:
+    """The 16-bit reduction's inner loop: every 16-bit pattern (subnormals, inf,
+    NaN) upcast exactly and added in the wide dtype, as numpy does it."""
+    from zerompi.adam import accumulate
+
+    low_dt = BF16 if low == "bfloat16" else F16
+    rng = np.random.default_rng(11)
+    bits = np.concatenate([np.arange(1 << 16), rng.integers(0, 1 << 16, 1 << 15)]).astype(np.uint16)
+    part = bits.view(low_dt)
+    base = rng.standard_normal(bits.size).astype(out_dtype)
+    with np.errstate(all="ignore"):
+        want = base.copy()
+        if add:
+            np.add(want, part, out=want)
+        else:
+            np.copyto(want, part)
+        got = base.copy()
+        accumulate(got, part, add, kernel=kernel, variant=variant)
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), bits[~same][:5]
+
+
 # -- 2. the optimizer against the reference ----------------------------------------------------
 
 SHAPES = {"a.w": (5, 3), "a.b": (3,), "b.w": (4,), "c.w": (7,), "d.w": (1,)}

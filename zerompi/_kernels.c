@@ -113,12 +113,35 @@ f64_to_f32_odd(double x)
 }
 
 static inline uint16_t f64_to_bf16(double x) { return f32_to_bf16(f64_to_f32_odd(x)); }
+
+/* 16-bit floats to float, exactly. */
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+static inline float
+f16_to_f32(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    /* normal (and inf/NaN, exponent 31 -> 255): rebias; subnormal: m * 2**-24, exact */
+    const uint32_t normal = sign | ((e == 31u ? 255u : e + 112u) << 23) | (m << 13);
+    const float sub = (float)m * 5.9604644775390625e-08f; /* 2**-24 */
+    return e == 0u ? (sign ? -sub : sub) : bits_f32(normal);
+}
 static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x)); }
 
 /* Only the rounded copy (after a load, or for a kernel-less check). */
 #define ROUND_LOOP(NAME, ATTR, T, CONV)                                                \
     ATTR static void NAME(const T *restrict p, uint16_t *restrict low, Py_ssize_t n) { \
         for (Py_ssize_t i = 0; i < n; i++) low[i] = CONV(p[i]);                        \
+    }
+
+/* out[i] (+)= the 16-bit part[i], upcast exactly (the sum in out's dtype). */
+#define ACCUMULATE_LOOP(NAME, ATTR, T, UP)                                               \
+    ATTR static void NAME(T *restrict out, const uint16_t *restrict part, Py_ssize_t n,  \
+                          int add) {                                                     \
+        if (add)                                                                         \
+            for (Py_ssize_t i = 0; i < n; i++) out[i] = out[i] + (T)UP(part[i]);         \
+        else                                                                             \
+            for (Py_ssize_t i = 0; i < n; i++) out[i] = (T)UP(part[i]);                  \
     }
 
 #define LANES 16
@@ -146,6 +169,8 @@ typedef void (*adam_f32_fn)(float *restrict, const float *restrict, float *restr
 typedef void (*adam_f64_fn)(double *restrict, const double *restrict, double *restrict,
                             double *restrict, Py_ssize_t, double, double, double, double,
                             double, int, double, double, double);
+typedef void (*acc_f32_fn)(float *restrict, const uint16_t *restrict, Py_ssize_t, int);
+typedef void (*acc_f64_fn)(double *restrict, const uint16_t *restrict, Py_ssize_t, int);
 typedef void (*round_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*round_f64_fn)(const double *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*stats_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t *, double *);
@@ -159,6 +184,10 @@ typedef void (*stats_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t *, d
     ROUND_LOOP(round_float_f16_##SUFFIX, ATTR, float, f32_to_f16)             \
     ROUND_LOOP(round_double_bf16_##SUFFIX, ATTR, double, f64_to_bf16)         \
     ROUND_LOOP(round_double_f16_##SUFFIX, ATTR, double, f64_to_f16)           \
+    ACCUMULATE_LOOP(acc_float_bf16_##SUFFIX, ATTR, float, bf16_to_f32)        \
+    ACCUMULATE_LOOP(acc_float_f16_##SUFFIX, ATTR, float, f16_to_f32)          \
+    ACCUMULATE_LOOP(acc_double_bf16_##SUFFIX, ATTR, double, bf16_to_f32)      \
+    ACCUMULATE_LOOP(acc_double_f16_##SUFFIX, ATTR, double, f16_to_f32)        \
     STATS_LOOP(stats_float_##SUFFIX, ATTR, float)                             \
     STATS_LOOP(stats_double_##SUFFIX, ATTR, double)
 
@@ -176,12 +205,18 @@ static stats_f32_fn stats_float_v[N_VARIANTS];
 static stats_f64_fn stats_double_v[N_VARIANTS];
 /* [variant][0: bfloat16, 1: float16] */
 static round_f32_fn round_float_v[N_VARIANTS][2];
+static acc_f32_fn acc_float_v[N_VARIANTS][2];
+static acc_f64_fn acc_double_v[N_VARIANTS][2];
 static round_f64_fn round_double_v[N_VARIANTS][2];
 
 #define REGISTER(V, SUFFIX)                                   \
     do {                                                      \
         adam_float_v[V] = adam_float_##SUFFIX;                \
         adam_double_v[V] = adam_double_##SUFFIX;              \
+        acc_float_v[V][0] = acc_float_bf16_##SUFFIX;          \
+        acc_float_v[V][1] = acc_float_f16_##SUFFIX;           \
+        acc_double_v[V][0] = acc_double_bf16_##SUFFIX;        \
+        acc_double_v[V][1] = acc_double_f16_##SUFFIX;         \
         round_float_v[V][0] = round_float_bf16_##SUFFIX;      \
         round_float_v[V][1] = round_float_f16_##SUFFIX;       \
         round_double_v[V][0] = round_double_bf16_##SUFFIX;    \
@@ -206,6 +241,17 @@ round_float_f16_f16c(const float *restrict p, uint16_t *restrict low, Py_ssize_t
     }
     for (; i < n; i++) low[i] = f32_to_f16(p[i]);
 }
+/* out (+)= float16 parts with F16C's exact conversion, 8 at a time. */
+__attribute__((target("avx2,f16c"))) static void
+acc_float_f16_f16c(float *restrict out, const uint16_t *restrict part, Py_ssize_t n, int add)
+{
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(part + i)));
+        _mm256_storeu_ps(out + i, add ? _mm256_add_ps(_mm256_loadu_ps(out + i), x) : x);
+    }
+    for (; i < n; i++) out[i] = add ? out[i] + f16_to_f32(part[i]) : f16_to_f32(part[i]);
+}
 #endif
 
 static void
@@ -217,11 +263,17 @@ init_variants(void)
     __builtin_cpu_init();
     REGISTER(V_AVX2, avx2);
     variant_supported[V_AVX2] = __builtin_cpu_supports("avx2") != 0;
-    if (__builtin_cpu_supports("f16c")) round_float_v[V_AVX2][1] = round_float_f16_f16c;
+    if (__builtin_cpu_supports("f16c")) {
+        round_float_v[V_AVX2][1] = round_float_f16_f16c;
+        acc_float_v[V_AVX2][1] = acc_float_f16_f16c;
+    }
 #ifdef HAVE_AVX512F
     REGISTER(V_AVX512F, avx512f);
     variant_supported[V_AVX512F] = __builtin_cpu_supports("avx512f") != 0;
-    if (__builtin_cpu_supports("f16c")) round_float_v[V_AVX512F][1] = round_float_f16_f16c;
+    if (__builtin_cpu_supports("f16c")) {
+        round_float_v[V_AVX512F][1] = round_float_f16_f16c;
+        acc_float_v[V_AVX512F][1] = acc_float_f16_f16c;
+    }
 #endif
 #endif
     for (int v = 0; v < N_VARIANTS; v++)
@@ -445,6 +497,49 @@ round_low(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(accumulate_doc,
+"accumulate(out, part, low_kind, add, *, variant=None)\n\n"
+"out[i] = part[i] (add false) or out[i] + part[i] (add true), part a uint16 array\n"
+"of bfloat16 (low_kind=0) or float16 (low_kind=1) values upcast exactly, out a\n"
+"contiguous float32/float64 array of as many elements: numpy's mixed-dtype add.");
+
+static PyObject *
+accumulate(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"out", "part", "low_kind", "add", "variant", NULL};
+    PyObject *out_obj, *part_obj;
+    int low_kind, add;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOip|$z", kwlist, &out_obj, &part_obj,
+                                     &low_kind, &add, &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
+    Py_buffer out, part;
+    if (get_vector(out_obj, &out, 1, "out") < 0) return NULL;
+    char kind = element_kind(&out);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "out must be float32 or float64, got format '%s'",
+                     out.format);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Py_ssize_t n = out.len / out.itemsize;
+    if (get_low(part_obj, &part, n, low_kind) < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (kind == 'f')
+        acc_float_v[variant][low_kind](out.buf, part.buf, n, add);
+    else
+        acc_double_v[variant][low_kind](out.buf, part.buf, n, add);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&part);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(grad_stats_doc,
 "grad_stats(grad, *, variant=None) -> (nonfinite, sumsq)\n\n"
 "Sum of squares of a contiguous float32/float64 array, accumulated in float64 in\n"
@@ -532,6 +627,8 @@ static PyMethodDef methods[] = {
      grad_stats_doc},
     {"round_low", (PyCFunction)(void (*)(void))round_low, METH_VARARGS | METH_KEYWORDS,
      round_low_doc},
+    {"accumulate", (PyCFunction)(void (*)(void))accumulate, METH_VARARGS | METH_KEYWORDS,
+     accumulate_doc},
     {"variants", variants, METH_NOARGS, variants_doc},
     {"compiled", compiled, METH_NOARGS, compiled_doc},
     {NULL, NULL, 0, NULL},

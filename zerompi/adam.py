@@ -223,6 +223,25 @@ def _low_kind(low: np.ndarray) -> int:
     raise TypeError(f"low must be bfloat16 or float16, got {low.dtype}")
 
 
+def accumulate(
+    out: np.ndarray, part: np.ndarray, add: bool, kernel: str | None = None,
+    variant: str | None = None,
+) -> None:  # fmt: skip
+    """``out += part`` (``add``) or ``out[...] = part``: a bfloat16/float16 ``part``
+    upcast exactly into the float32/float64 ``out``, summed in ``out``'s dtype: the
+    same bits as numpy's mixed-dtype add, without its per-element cast calls (the
+    16-bit reduction's inner loop)."""
+    if kernel is not None and kernel != KERNEL:
+        kernel = _choose_kernel(kernel)
+    if (kernel or KERNEL) == "c" and out.flags.c_contiguous and part.flags.c_contiguous:
+        _kernels.accumulate(out, part.view(np.uint16), _low_kind(part), add,
+                            variant=variant or VARIANT)  # fmt: skip
+    elif add:
+        np.add(out, part, out=out)
+    else:
+        np.copyto(out, part)
+
+
 def round_low(
     src: np.ndarray, low: np.ndarray, kernel: str | None = None, variant: str | None = None
 ) -> None:

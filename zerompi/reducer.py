@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .adam import accumulate
 from .mpi.collectives import Comm, Pending, Planned
 from .mpi.shm import SharedSegment
 from .partition import Bucket, Layout
@@ -155,6 +156,10 @@ def sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
 
 
 def _sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
+    if parts and parts[0].dtype.itemsize == 2:  # 16-bit parts: the compiled upcast-add
+        for i, part in enumerate(parts):
+            accumulate(out, part, add or i > 0)
+        return
     if add:
         for part in parts:
             np.add(out, part, out=out)
