@@ -567,3 +567,111 @@ def test_float16_overflow_lowers_the_scale_and_training_goes_on(tmp_path: Path) 
     assert all(s == scales[skipped] for s in scales[skipped:]), scales
     assert result["verify_ok"] and result["max_abs_diff"] == 0.0, text
     assert result["loss_last"] < result["loss_first"]
+
+
+# -- 8. stochastic rounding -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kernel", "variant"), KERNELS)
+@pytest.mark.parametrize("master", [np.float32, np.float64])
+def test_stochastic_rounding_kernels_agree_and_are_unbiased(
+    kernel: str, variant: str | None, master: type
+) -> None:
+    """Every kernel writes exactly :func:`stochastic_round`'s bits; a value a quarter
+    ulp above a bfloat16 rounds up a quarter of the time over many keys."""
+    from zerompi.adam import sr_key, stochastic_round
+
+    rng = np.random.default_rng(5)
+    n = 5003
+    p0, g0 = (rng.standard_normal(n).astype(master) for _ in range(2))
+    p, g, m, v = p0.copy(), g0.copy(), np.zeros(n, master), np.zeros(n, master)
+    low = np.zeros(n, BF16)
+    adam_step(p, g, m, v, 1, AdamConfig(lr=1e-2), np.zeros(4096, master), 1.0, kernel=kernel,
+              variant=variant, low=low, stochastic=(sr_key(7), 123))  # fmt: skip
+    want = np.zeros(n, BF16)
+    stochastic_round(p, want, sr_key(7), 123)
+    assert np.array_equal(low.view(np.uint16), want.view(np.uint16))
+    x = np.full(4096, 1.0 + 2.0**-9, master)  # bfloat16's ulp at 1 is 2**-7
+    ups = 0
+    for k in range(64):
+        out = np.zeros(x.size, BF16)
+        stochastic_round(x, out, sr_key(k), 0)
+        ups += int(np.count_nonzero(out.astype(np.float64) > 1.0))
+    assert abs(ups / (64 * x.size) - 0.25) < 0.01
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stochastic_rounding_in_the_optimizer(comm: MPI.Intracomm, stage: int) -> None:
+    """``rounding="stochastic"``: the master still equals the reference; the model's
+    copy is the master rounded down or up to bfloat16 (never further), the same on
+    every rank and in a second run; on one rank in stage 1, exactly
+    ``stochastic_round`` of the master at the flat index."""
+    from zerompi.adam import sr_key, stochastic_round
+
+    params = params_of(3)
+    runs = []
+    for _ in range(2):
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=4,
+                            param_dtype="bfloat16", rounding="stochastic", **HYPER)  # fmt: skip
+        ref = ReferenceAdam(params, **HYPER)
+        for step in range(3):
+            hand_over(opt, "blocks", comm.rank, 0, step, 1.0)
+            opt.step()
+            ref.step(mean_grads(comm.size, 1, step))
+        runs.append((opt, ref, model_copy(opt), opt.full_params()))
+    opt, ref, seen, master = runs[0]
+    problems = check_close(master, ref.params, comm.size == 1)
+    for name, m in master.items():
+        truncated = m.astype(np.float32).view(np.uint32) >> np.uint32(16)  # toward zero
+        got = seen[name].view(np.uint16).astype(np.uint32)
+        if not ((got == truncated) | (got == truncated + 1)).all():
+            problems.append(f"{name}: not the master rounded down or up to bfloat16")
+        if not np.array_equal(seen[name].view(np.uint16), runs[1][2][name].view(np.uint16)):
+            problems.append(f"{name}: a second run rounds differently")
+    everyone = (
+        WORLD.allgather({n: a.view(np.uint16).tobytes() for n, a in seen.items()})
+        if comm is WORLD
+        else [None]
+    )
+    if comm is WORLD and any(e != everyone[0] for e in everyone):
+        problems.append("ranks see different model copies")
+    if comm.size == 1 and stage == 1:
+        flat = np.concatenate([master[n].ravel() for n in params])
+        want = np.zeros(flat.size, BF16)
+        stochastic_round(flat, want, sr_key(3), 0)
+        got = np.concatenate([seen[n].ravel() for n in params])
+        if not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
+            problems.append(
+                "stage 1 on one rank: not stochastic_round(master, step 3 key, flat index)"
+            )
+    assert_all(not problems, "; ".join(problems[:4]))
+
+
+def check_close(
+    master: dict[str, np.ndarray], ref: dict[str, np.ndarray], exact: bool
+) -> list[str]:
+    out = []
+    for name, want in ref.items():
+        got = master[name]
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        if (exact and not np.array_equal(got, want)) or err > 1e-6:
+            out.append(f"master {name} differs from the reference by {err:.2e}")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"param_dtype": "float16", "rounding": "stochastic"},
+            "rounding='stochastic' rounds a bfloat16",
+        ),
+        ({"rounding": "stochastic"}, "pass param_dtype='bfloat16'"),
+        ({"param_dtype": "bfloat16", "rounding": "up"}, "rounding must be one of"),
+    ],
+)
+def test_stochastic_rounding_refusals(comm: MPI.Intracomm, kwargs: dict, match: str) -> None:
+    _, problems = raises(
+        ValueError, match, lambda: ZeroOptimizer(params_of(), comm=comm, **kwargs), "rounding"
+    )
+    assert_all(not problems, "; ".join(problems))

@@ -114,6 +114,39 @@ f64_to_f32_odd(double x)
 
 static inline uint16_t f64_to_bf16(double x) { return f32_to_bf16(f64_to_f32_odd(x)); }
 
+/* Stochastic rounding to bfloat16: round the magnitude up with probability equal to
+ * the part of an ulp below it, from 16 random bits; a NaN stays a (quiet) NaN. The
+ * random bits of element i are a hash of (key, i): the same on every rank, every
+ * variant and the numpy kernel, run after run. */
+static inline uint32_t
+mix32(uint32_t x)
+{ /* lowbias32 (Chris Wellons' hash prospector) */
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+static inline uint16_t
+f32_to_bf16_sr(float x, uint32_t random)
+{
+    const uint32_t u = f32_bits(x);
+    const uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+    const uint32_t up = (u + (random & 0xffffu)) >> 16;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? nan : up);
+}
+
+#define ROUND_SR_LOOP(NAME, ATTR, T, TO_F32)                                           \
+    ATTR static void NAME(const T *restrict p, uint16_t *restrict low, Py_ssize_t n,  \
+                          uint32_t key, uint32_t base) {                              \
+        for (Py_ssize_t i = 0; i < n; i++)                                            \
+            low[i] = f32_to_bf16_sr(TO_F32(p[i]),                                    \
+                                    mix32((base + (uint32_t)i) * 0x9e3779b1u + key)); \
+    }
+static inline float same_f32(float x) { return x; }
+
 /* 16-bit floats to float, exactly. */
 static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 
@@ -169,6 +202,10 @@ typedef void (*adam_f32_fn)(float *restrict, const float *restrict, float *restr
 typedef void (*adam_f64_fn)(double *restrict, const double *restrict, double *restrict,
                             double *restrict, Py_ssize_t, double, double, double, double,
                             double, int, double, double, double);
+typedef void (*round_sr_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize_t,
+                                uint32_t, uint32_t);
+typedef void (*round_sr_f64_fn)(const double *restrict, uint16_t *restrict, Py_ssize_t,
+                                uint32_t, uint32_t);
 typedef void (*acc_f32_fn)(float *restrict, const uint16_t *restrict, Py_ssize_t, int);
 typedef void (*acc_f64_fn)(double *restrict, const uint16_t *restrict, Py_ssize_t, int);
 typedef void (*round_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize_t);
@@ -184,6 +221,8 @@ typedef void (*stats_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t *, d
     ROUND_LOOP(round_float_f16_##SUFFIX, ATTR, float, f32_to_f16)             \
     ROUND_LOOP(round_double_bf16_##SUFFIX, ATTR, double, f64_to_bf16)         \
     ROUND_LOOP(round_double_f16_##SUFFIX, ATTR, double, f64_to_f16)           \
+    ROUND_SR_LOOP(round_sr_float_##SUFFIX, ATTR, float, same_f32)             \
+    ROUND_SR_LOOP(round_sr_double_##SUFFIX, ATTR, double, f64_to_f32_odd)     \
     ACCUMULATE_LOOP(acc_float_bf16_##SUFFIX, ATTR, float, bf16_to_f32)        \
     ACCUMULATE_LOOP(acc_float_f16_##SUFFIX, ATTR, float, f16_to_f32)          \
     ACCUMULATE_LOOP(acc_double_bf16_##SUFFIX, ATTR, double, bf16_to_f32)      \
@@ -205,6 +244,8 @@ static stats_f32_fn stats_float_v[N_VARIANTS];
 static stats_f64_fn stats_double_v[N_VARIANTS];
 /* [variant][0: bfloat16, 1: float16] */
 static round_f32_fn round_float_v[N_VARIANTS][2];
+static round_sr_f32_fn round_sr_float_v[N_VARIANTS];
+static round_sr_f64_fn round_sr_double_v[N_VARIANTS];
 static acc_f32_fn acc_float_v[N_VARIANTS][2];
 static acc_f64_fn acc_double_v[N_VARIANTS][2];
 static round_f64_fn round_double_v[N_VARIANTS][2];
@@ -213,6 +254,8 @@ static round_f64_fn round_double_v[N_VARIANTS][2];
     do {                                                      \
         adam_float_v[V] = adam_float_##SUFFIX;                \
         adam_double_v[V] = adam_double_##SUFFIX;              \
+        round_sr_float_v[V] = round_sr_float_##SUFFIX;        \
+        round_sr_double_v[V] = round_sr_double_##SUFFIX;      \
         acc_float_v[V][0] = acc_float_bf16_##SUFFIX;          \
         acc_float_v[V][1] = acc_float_f16_##SUFFIX;           \
         acc_double_v[V][0] = acc_double_bf16_##SUFFIX;        \
@@ -334,7 +377,8 @@ PyDoc_STRVAR(adam_doc,
 "to run (see variants()); None runs the best one this CPU supports. low: a\n"
 "contiguous uint16 array of as many elements, into which the same pass writes the\n"
 "updated parameters rounded to nearest even to bfloat16 (low_kind=0) or float16\n"
-"(low_kind=1).");
+"(low_kind=1); with sr_key >= 0, rounded stochastically to bfloat16 instead, element\n"
+"i from the hash of (sr_key, sr_base + i).");
 
 /* Adam that also writes the rounded copy of the updated parameters: block by block,
  * the Adam loop then the rounding loop over the block while it is in L1 cache (one
@@ -344,7 +388,7 @@ PyDoc_STRVAR(adam_doc,
 static void
 adam_low(char kind, int variant, int low_kind, Py_buffer *views, uint16_t *low, Py_ssize_t n,
          double lr, double b1, double b2, double eps, double wd, int decoupled, double bc1,
-         double bc2, double div)
+         double bc2, double div, long long sr_key, unsigned long long sr_base)
 {
     for (Py_ssize_t lo = 0; lo < n; lo += LOW_BLOCK) {
         const Py_ssize_t k = n - lo < LOW_BLOCK ? n - lo : LOW_BLOCK;
@@ -353,13 +397,21 @@ adam_low(char kind, int variant, int low_kind, Py_buffer *views, uint16_t *low, 
             adam_float_v[variant](p, (float *)views[1].buf + lo, (float *)views[2].buf + lo,
                                   (float *)views[3].buf + lo, k, lr, b1, b2, eps, wd,
                                   decoupled, bc1, bc2, div);
-            round_float_v[variant][low_kind](p, low + lo, k);
+            if (sr_key >= 0)
+                round_sr_float_v[variant](p, low + lo, k, (uint32_t)sr_key,
+                                          (uint32_t)(sr_base + (unsigned long long)lo));
+            else
+                round_float_v[variant][low_kind](p, low + lo, k);
         } else {
             double *p = (double *)views[0].buf + lo;
             adam_double_v[variant](p, (double *)views[1].buf + lo,
                                    (double *)views[2].buf + lo, (double *)views[3].buf + lo,
                                    k, lr, b1, b2, eps, wd, decoupled, bc1, bc2, div);
-            round_double_v[variant][low_kind](p, low + lo, k);
+            if (sr_key >= 0)
+                round_sr_double_v[variant](p, low + lo, k, (uint32_t)sr_key,
+                                           (uint32_t)(sr_base + (unsigned long long)lo));
+            else
+                round_double_v[variant][low_kind](p, low + lo, k);
         }
     }
 }
@@ -393,16 +445,23 @@ adam(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_sq", "lr", "beta1",
                              "beta2", "eps", "weight_decay", "decoupled", "bc1", "bc2",
-                             "divisor", "variant", "low", "low_kind", NULL};
+                             "divisor", "variant", "low", "low_kind", "sr_key", "sr_base",
+                             NULL};
     PyObject *objs[4], *low_obj = Py_None;
     double lr, b1, b2, eps, wd, bc1, bc2, div;
     int decoupled, low_kind = 0;
+    long long sr_key = -1;
+    unsigned long long sr_base = 0;
     const char *variant_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOdddddpddd|$zOi", kwlist, &objs[0],
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOdddddpddd|$zOiLK", kwlist, &objs[0],
                                      &objs[1], &objs[2], &objs[3], &lr, &b1, &b2, &eps, &wd,
                                      &decoupled, &bc1, &bc2, &div, &variant_name, &low_obj,
-                                     &low_kind))
+                                     &low_kind, &sr_key, &sr_base))
         return NULL;
+    if (sr_key >= 0 && low_kind != 0) {
+        PyErr_SetString(PyExc_ValueError, "stochastic rounding (sr_key) is for bfloat16 only");
+        return NULL;
+    }
     Py_buffer low_view;
     int have_low = 0;
     const int variant = parse_variant(variant_name);
@@ -439,7 +498,7 @@ adam(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_BEGIN_ALLOW_THREADS
     if (have_low)
         adam_low(kind, variant, low_kind, views, low_view.buf, n, lr, b1, b2, eps, wd,
-                 decoupled, bc1, bc2, div);
+                 decoupled, bc1, bc2, div, sr_key, sr_base);
     else if (kind == 'f')
         adam_float_v[variant](views[0].buf, views[1].buf, views[2].buf, views[3].buf, n, lr,
                               b1, b2, eps, wd, decoupled, bc1, bc2, div);

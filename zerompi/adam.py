@@ -149,6 +149,7 @@ def adam_step(
     kernel: str | None = None,
     variant: str | None = None,
     low: np.ndarray | None = None,
+    stochastic: tuple[int, int] | None = None,
 ) -> None:
     """One Adam step on 1-D views of equal length, in place.
 
@@ -159,7 +160,9 @@ def adam_step(
     :data:`VARIANTS`) overrides :data:`VARIANT` for the C kernel. ``low`` (bfloat16
     or float16, as long as ``param``) receives the updated parameters rounded to
     nearest even, in the same pass (the numpy kernel: block by block, while the
-    block is in cache), bit-identical to numpy's/ml_dtypes' cast.
+    block is in cache), bit-identical to numpy's/ml_dtypes' cast; with ``stochastic``
+    (``(key, base)``, bfloat16 only) rounded stochastically instead, element ``i``
+    from the hash of ``(key, base + i)`` (:func:`stochastic_round`).
     """
     c = config
     bc1 = 1.0 - c.beta1**step
@@ -176,10 +179,12 @@ def adam_step(
                 variant=variant or VARIANT,
             )  # fmt: skip
         else:
+            key, base = stochastic if stochastic is not None else (-1, 0)
             _kernels.adam(
                 param, grad, exp_avg, exp_avg_sq, c.lr, c.beta1, c.beta2, c.eps,
                 c.weight_decay, c.decoupled, bc1, bc2, float(divisor),
                 variant=variant or VARIANT, low=low.view(np.uint16), low_kind=_low_kind(low),
+                sr_key=key, sr_base=base,
             )  # fmt: skip
         return
     n = param.shape[0]
@@ -209,9 +214,63 @@ def adam_step(
             np.add(g, t, out=g)
         np.multiply(g, c.lr, out=g)
         np.subtract(p, g, out=p)
-        if low is not None:  # (overflow rounds to inf, as the C kernel does: no warning)
+        if low is not None and stochastic is not None:
+            stochastic_round(p, low[lo:hi], stochastic[0], stochastic[1] + lo)
+        elif low is not None:  # (overflow rounds to inf, as the C kernel does: no warning)
             with np.errstate(over="ignore", invalid="ignore"):
                 np.copyto(low[lo:hi], p, casting="unsafe")
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """lowbias32, in place on a uint32 array (the C kernel's ``mix32``)."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def sr_key(step: int) -> int:
+    """The stochastic-rounding key of a step: the same on every rank."""
+    x = np.array([(step * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF], np.uint32)
+    return int(_mix32(x)[0])
+
+
+def stochastic_round(src: np.ndarray, low: np.ndarray, key: int, base: int) -> None:
+    """``low`` (bfloat16) = ``src`` rounded stochastically: the magnitude rounds up
+    with probability equal to the fraction of a bfloat16 ulp below it, from 16 random
+    bits per element, element ``i``'s a hash of ``(key, base + i)``; what the C kernel
+    computes, in numpy (block-sized temporaries: the fallback, and the tests'
+    yardstick)."""
+    if low.dtype.name != "bfloat16":
+        raise TypeError(f"stochastic rounding is for bfloat16, got {low.dtype}")
+    n = src.shape[0]
+    if src.dtype == np.float64:
+        src = _f64_to_f32_odd(src)
+    u = src.astype(np.float32).view(np.uint32)
+    index = np.arange(n, dtype=np.uint32)
+    index += np.uint32(base & 0xFFFFFFFF)
+    with np.errstate(over="ignore"):
+        index *= np.uint32(0x9E3779B1)
+    index += np.uint32(key)
+    random = _mix32(index) & np.uint32(0xFFFF)
+    up = ((u + random) >> np.uint32(16)).astype(np.uint16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    quiet = ((u >> np.uint32(16)) & np.uint32(0x8000) | np.uint32(0x7FC0)).astype(np.uint16)
+    low.view(np.uint16)[...] = np.where(nan, quiet, up)
+
+
+def _f64_to_f32_odd(x: np.ndarray) -> np.ndarray:
+    """float64 to float32 rounding to odd (the C kernel's ``f64_to_f32_odd``)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = x.astype(np.float32)
+        back = f.astype(np.float64)
+    u = f.view(np.uint32).copy()
+    fix = (back != x) & np.isfinite(x) & np.isfinite(f)
+    away = np.abs(back) > np.abs(x)
+    u[fix] = (u[fix] - away[fix].astype(np.uint32)) | np.uint32(1)
+    return u.view(np.float32)
 
 
 def _low_kind(low: np.ndarray) -> int:

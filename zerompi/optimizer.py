@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .adam import AdamConfig, adam_step, grad_stats
+from .adam import AdamConfig, adam_step, grad_stats, sr_key
 from .arrays import FlatArrays, check_failure_settings, check_params
 from .buffers import OVERLAP_SLOTS, BufferPool, buffer_plan
 from .gather import MPIGather, NoGather, SharedGather
@@ -46,7 +46,7 @@ from .mpi.launch import check_world, install_abort_hook
 from .mpi.watchdog import resolve_timeout
 from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_layout
 from .plan import bucket_parts, runs, stage_plan
-from .precision import precision_settings
+from .precision import low_base, precision_settings
 from .reducer import FullReducer, StreamReducer
 from .state import PHASES, OptimizerState
 
@@ -91,6 +91,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
     summed in the arrays' own dtype, which the master copy and the moments keep.
     ``loss_scale`` (``"dynamic"``, a number; dynamic by default for float16
     gradients): the model multiplies its loss gradient by ``opt.loss_scale``.
+    ``rounding="stochastic"`` rounds the bfloat16 copy stochastically.
 
     ``timeout`` (seconds; default ``$ZEROMPI_TIMEOUT``, else 600; ``0`` or ``"none"``
     disables): any wait inside zerompi longer than this (a rank that never entered a
@@ -118,6 +119,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         param_dtype: object = None,
         reduce_dtype: object = None,
         loss_scale: object = None,
+        rounding: str = "nearest",
     ) -> None:
         install_abort_hook()  # an uncaught exception on any rank aborts the whole job
         self.comm = Comm(comm, timeout=0)  # the watchdog is armed once settings agree
@@ -145,8 +147,10 @@ class ZeroOptimizer(HandOver, OptimizerState):
                     raise TypeError(f"{name} must be a bool, got {flag!r:.60}")
             seconds = resolve_timeout(timeout)
             self.precisions, self.scaler, dtypes = precision_settings(
-                list(self.layout.sizes), param_dtype, reduce_dtype, loss_scale, nonfinite
-            )
+                list(self.layout.sizes), param_dtype, reduce_dtype, loss_scale, nonfinite,
+                rounding,
+            )  # fmt: skip
+            self.rounding = rounding
         except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         comm_ = self.comm
@@ -226,6 +230,10 @@ class ZeroOptimizer(HandOver, OptimizerState):
         self._adam_runs = runs(
             self.parts, ("param", "grad", "exp_avg", "exp_avg_sq", "low"), merge
         )
+        #: Per run, the index of its first rounded element in its buffer: stochastic
+        #: rounding's random stream (the same at every step's same position).
+        lows = [a for k in ("params", "params_low") for a in stores.get(k, {}).values()]
+        self._low_bases = [low_base(run.arrays[4], lows) for run in self._adam_runs]
         self._stats_runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.parts)
         for run in runs(self.parts, ("stats",), merge=True):
             self._stats_runs[run.last] = (run.arrays[0], run.scratch)
@@ -376,13 +384,16 @@ class ZeroOptimizer(HandOver, OptimizerState):
         clock = time.perf_counter
         adam_s = gather_s = 0.0
         step_count, config, gatherer = self.step_count, self.config, self.gatherer
-        for run in self._adam_runs:
+        key = sr_key(step_count) if self.rounding == "stochastic" else None
+        for run, base in zip(self._adam_runs, self._low_bases, strict=True):
             (param, grad, m, v, low), scratch = run.arrays, run.scratch
             for lo in range(0, param.shape[0], ADAM_CHUNK):
                 hi = lo + ADAM_CHUNK
+                sr = None if key is None or low is None else (key, base + lo)
                 t1 = clock()
                 adam_step(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step_count, config,
-                          scratch, divisor, low=None if low is None else low[lo:hi])  # fmt: skip
+                          scratch, divisor, low=None if low is None else low[lo:hi],
+                          stochastic=sr)  # fmt: skip
                 t2 = clock()
                 adam_s += t2 - t1
                 gatherer.progress()
@@ -407,19 +418,3 @@ class ZeroOptimizer(HandOver, OptimizerState):
             self.reducer.close()
             self.pool.close()
             self._closed = True
-
-    def __enter__(self) -> ZeroOptimizer:
-        return self
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        # Not while an exception propagates: it may be on this rank only, and close()
-        # is collective; the abort hook ends the world instead.
-        if exc_type is None:
-            self.close()
-
-    def __repr__(self) -> str:
-        total = sum(self.layout.sizes.values())
-        return (
-            f"ZeroOptimizer(stage={self.stage}, params={total}, buckets="
-            f"{len(self.layout.buckets)}, rank={self.comm.rank}/{self.comm.size})"
-        )

@@ -184,9 +184,25 @@ def loss_scale_of(value: object, reduce: np.dtype | None) -> LossScale | None:
     return LossScale(init=scale, dynamic=False)
 
 
+#: How Adam rounds the model's copy: to nearest even, or stochastically (bfloat16).
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def low_base(low: np.ndarray | None, stores: list[np.ndarray]) -> int:
+    """The index of ``low``'s first element in the buffer (of ``stores``) it views; 0
+    for ``None``."""
+    if low is None:
+        return 0
+    for store in stores:
+        start = store.ctypes.data
+        if store.dtype == low.dtype and start <= low.ctypes.data <= start + store.nbytes:
+            return (low.ctypes.data - start) // low.itemsize
+    raise ValueError("a rounded copy outside the optimizer's buffers")
+
+
 def precision_settings(
     masters: list[np.dtype], param_dtype: object, reduce_dtype: object, loss_scale: object,
-    nonfinite: str,
+    nonfinite: str, rounding: str = "nearest",
 ) -> tuple[dict[np.dtype, Precision], LossScale | None, tuple[object, ...]]:  # fmt: skip
     """Local validation of the optimizer's precision arguments: the
     :class:`Precision` per master dtype, the loss scale, and what every rank must
@@ -199,7 +215,14 @@ def precision_settings(
             "nonfinite='raise' with dynamic loss scaling: an overflow is how the scale "
             "learns to come down; use nonfinite='skip' (the default)"
         )
-    names = tuple(d.name if d is not None else None for d in (p_dt, r_dt))
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r:.60}")
+    if rounding == "stochastic" and (p_dt is None or p_dt.name != "bfloat16"):
+        raise ValueError(
+            "rounding='stochastic' rounds a bfloat16 copy of the parameters: pass "
+            f"param_dtype='bfloat16' (got {None if p_dt is None else p_dt.name})"
+        )
+    names = (*(d.name if d is not None else None for d in (p_dt, r_dt)), rounding)
     scale = None if scaler is None else (
         scaler.scale, scaler.dynamic, scaler.growth, scaler.backoff, scaler.growth_interval
     )  # fmt: skip

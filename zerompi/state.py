@@ -50,6 +50,9 @@ class OptimizerState:
     def _discard(self) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        raise NotImplementedError
+
     # -- inspection ------------------------------------------------------------
 
     def pop_timings(self) -> dict[str, float]:
@@ -225,3 +228,21 @@ class OptimizerState:
         from . import checkpoint
 
         return checkpoint.load(self, path)
+
+    # -- lifetime and display ----------------------------------------------------
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Not while an exception propagates: it may be on this rank only, and close()
+        # is collective; the abort hook ends the world instead.
+        if exc_type is None:
+            self.close()
+
+    def __repr__(self) -> str:
+        total = sum(self.layout.sizes.values())
+        return (
+            f"ZeroOptimizer(stage={self.stage}, params={total}, buckets="
+            f"{len(self.layout.buckets)}, rank={self.comm.rank}/{self.comm.size})"
+        )
