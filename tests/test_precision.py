@@ -178,7 +178,9 @@ def hand_over(opt: ZeroOptimizer, api: str, rank: int, micro: int, step: int, sc
                 g[name][...] += grad_of(name, rank, micro, step) * scale
 
 
-def mean_grads(size: int, micros: int, step: int) -> dict[str, np.ndarray]:
+def mean_grads(
+    size: int, micros: int, step: int, dtype: type = np.float32
+) -> dict[str, np.ndarray]:
     return {
         name: (
             sum(
@@ -187,7 +189,7 @@ def mean_grads(size: int, micros: int, step: int) -> dict[str, np.ndarray]:
                 for m in range(micros)
             )
             / (size * micros)
-        ).astype(np.float32)
+        ).astype(dtype)
         for name in SHAPES
     }
 
@@ -234,14 +236,33 @@ def test_matches_the_reference_with_roundings(
 ) -> None:
     """Three steps (the second with two micro-batches) in small buckets, so that on 2-4
     ranks some own nothing of most buckets."""
-    stage, api, shm = setup
-    param_dtype, reduce_dtype = precision
-    params = params_of()
+    assert_all(*reference_case(comm, *setup, *precision))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_float64_masters_and_one_staging_bucket(comm: MPI.Intracomm, stage: int) -> None:
+    """float64 arrays (a float64 master, rounded straight to 16 bits) and
+    ``overlap=False`` (one staging bucket, one receive region)."""
+    problems = []
+    for precision in (("bfloat16", "float16"), ("float16", "bfloat16"), ("float32", None)):
+        ok, text = reference_case(comm, stage, "blocks", stage >= 2, *precision,
+                                  master=np.dtype(np.float64), overlap=False)  # fmt: skip
+        problems += [] if ok else [f"{precision}: {text}"]
+    assert_all(not problems, "; ".join(problems))
+
+
+def reference_case(
+    comm: MPI.Intracomm, stage: int, api: str, shm: bool, param_dtype: str | None,
+    reduce_dtype: str | None, master: np.dtype = F32, overlap: bool = True,
+) -> tuple[bool, str]:  # fmt: skip
+    """Local: train three steps against the reference; (no problem, what they are)."""
+    params = {n: a.astype(master) for n, a in params_of().items()}
     opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=4, shared_memory=shm,
                         param_dtype=param_dtype, reduce_dtype=reduce_dtype, loss_scale=1.0,
-                        **HYPER)  # fmt: skip
+                        overlap=overlap, **HYPER)  # fmt: skip
     ref = ReferenceAdam(params, **HYPER)
-    low = BF16 if param_dtype == "bfloat16" else F16 if param_dtype == "float16" else F32
+    names = {"bfloat16": BF16, "float16": F16, "float32": F32}
+    low = names[param_dtype] if param_dtype else master
     problems = check(opt, ref, low, "initial")
     for step, micros in enumerate((1, 2, 1)):
         for micro in range(micros):
@@ -249,9 +270,9 @@ def test_matches_the_reference_with_roundings(
             if micros > 1:
                 opt.accumulate()
         opt.step()
-        ref.step(mean_grads(comm.size, micros, step))
+        ref.step(mean_grads(comm.size, micros, step, master))
         problems += check(opt, ref, low, f"step {step}")
-    assert_all(not problems, "; ".join(problems[:4]))
+    return not problems, "; ".join(problems[:4])
 
 
 # -- 3. loss scaling ------------------------------------------------------------------------

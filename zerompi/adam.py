@@ -172,6 +172,11 @@ def adam_step(
     if (kernel or KERNEL) == "c" and all(
         a.flags.c_contiguous for a in (param, grad, exp_avg, exp_avg_sq)
     ) and (low is None or low.flags.c_contiguous):  # fmt: skip
+        if low is not None and low.dtype.itemsize != 2:  # float32 copy of a float64 master
+            adam_step(param, grad, exp_avg, exp_avg_sq, step, config, scratch, divisor,
+                      kernel, variant)  # fmt: skip
+            np.copyto(low, param, casting="unsafe")  # the chunk is still in cache
+            return
         if low is None:
             _kernels.adam(
                 param, grad, exp_avg, exp_avg_sq, c.lr, c.beta1, c.beta2, c.eps,
@@ -308,7 +313,8 @@ def round_low(
     :func:`adam_step` writes, for a copy made outside a step (initial values, a load)."""
     if kernel is not None and kernel != KERNEL:
         kernel = _choose_kernel(kernel)
-    if (kernel or KERNEL) == "c" and src.flags.c_contiguous and low.flags.c_contiguous:
+    c_path = (kernel or KERNEL) == "c" and low.dtype.itemsize == 2
+    if c_path and src.flags.c_contiguous and low.flags.c_contiguous:
         _kernels.round_low(src, low.view(np.uint16), _low_kind(low), variant=variant or VARIANT)
     else:
         with np.errstate(over="ignore", invalid="ignore"):
