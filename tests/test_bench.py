@@ -71,3 +71,27 @@ def test_an_unwritable_json_path_fails_before_measuring(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("error: cannot create the folder") == 1, proc.stderr
     assert "world size" not in proc.stdout  # failed before the first measurement
+
+
+@pytest.mark.mpi_skip
+def test_mixed_precision_rows_sit_next_to_the_float32_ones(tmp_path: Path) -> None:
+    """``--param-dtype bfloat16 --reduce-dtype bfloat16``: one more row per stage and
+    size, after its float32 row, tagged with its dtypes, sending half the bytes; the
+    float32 table, the targets and the plot keep to the float32 rows."""
+    out = tmp_path / "bench.json"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.bench"]
+    cmd += ["--sizes", "1000", "--steps", "2", "--warmup", "1", "--no-torch", "--tensors", "0"]
+    cmd += ["--param-dtype", "bfloat16", "--reduce-dtype", "bfloat16", "--json", str(out)]
+    cmd += ["--blas-threads", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    rows = json.loads(out.read_text())["rows"]
+    same = {r["stage"]: r for r in rows if r["param_dtype"] == "float32"}
+    mixed = {r["stage"]: r for r in rows if r["param_dtype"] == "bfloat16"}
+    assert sorted(same) == sorted(mixed) == [0, 1, 2, 3]
+    for stage in (1, 2, 3):
+        for op in ("reduce_scatter", "allgather"):
+            assert 2 * mixed[stage]["comm_bytes"][op] == same[stage]["comm_bytes"][op], (stage, op)
+    assert all(r["reduce_dtype"] == "bfloat16" and r["vs_same_stage"] > 0 for r in mixed.values())
+    assert "mixed precision" in proc.stdout and "bfloat16/bfloat16" in proc.stdout

@@ -154,7 +154,7 @@ def plot(results: dict[str, Any], path: str) -> bool:
     except ImportError:
         print("matplotlib not installed: no plot (pip install zerompi[bench])", flush=True)
         return False
-    rows = results["rows"]
+    rows = [r for r in results["rows"] if "kernel" in r]  # the --dtype rows, not mixed ones
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     for stage in sorted({r["stage"] for r in rows}):
         mine = sorted((r for r in rows if r["stage"] == stage), key=lambda r: r["params"])
