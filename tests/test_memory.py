@@ -174,13 +174,13 @@ def test_paper_formula_by_stage() -> None:
 
 def test_known_figures() -> None:
     """1M float32 parameters in one bucket at W=4, stage 3: a quarter of each array,
-    two buckets of staging (overlap) and one of gathering, one scratch block."""
+    two buckets of staging and two of gathering (overlap), one scratch block."""
     est = estimate(flat_specs(1_000_000, 1 << 22), 4, 3, 3)
     assert est["buffers"] == {
         "params.float32": 1_000_000,
         "grads.float32": 1_000_000,
         "grad_bucket.float32": 8_000_000,
-        "param_bucket.float32": 4_000_000,
+        "param_bucket.float32": 8_000_000,
         "exp_avg.float32": 1_000_000,
         "exp_avg_sq.float32": 1_000_000,
         "scratch.float32": 4 * (1 << 15),

@@ -677,7 +677,7 @@ def expected_usage(
     """Bytes per category: parameters full (stage 3: the shard), gradients full
     (stages 2-3: the shard), Adam moments the shard (stage 0: full), ``slots``
     staging buckets of the largest bucket's size in stages 2-3 (2 with ``overlap``,
-    1 without) and one gather bucket in stage 3, per dtype; ``full_grads``: the full
+    1 without) and as many gather buckets in stage 3 (prefetch), per dtype; ``full_grads``: the full
     staging buffer stage 2 allocates for ``opt.grads``. Also returns an upper bound
     for the Adam kernel's scratch."""
     usage = dict.fromkeys(CATEGORIES, 0)
@@ -690,7 +690,7 @@ def expected_usage(
         usage["parameter_partitions"] += shard if stage == 3 else full
         usage["gradient_partitions"] += full if stage <= 1 else shard
         usage["optimizer_states"] += 2 * (full if stage == 0 else shard)
-        usage["communication_buffers"] += {0: 0, 1: 0, 2: slots, 3: slots + 1}[stage] * biggest
+        usage["communication_buffers"] += {0: 0, 1: 0, 2: slots, 3: 2 * slots}[stage] * biggest
         if full_grads:
             usage["communication_buffers"] += full
         scratch_bound += min(BLOCK * item, max(full if stage == 0 else shard, item))

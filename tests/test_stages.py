@@ -540,7 +540,7 @@ def stage_usage(
         2: {"parameter_partitions": full, "gradient_partitions": shard,
             "optimizer_states": 2 * shard, "communication_buffers": slots * biggest},
         3: {"parameter_partitions": shard, "gradient_partitions": shard,
-            "optimizer_states": 2 * shard, "communication_buffers": (slots + 1) * biggest},
+            "optimizer_states": 2 * shard, "communication_buffers": 2 * slots * biggest},
     }[stage]  # fmt: skip
 
 
@@ -559,7 +559,7 @@ def test_memory_usage_per_stage(comm: MPI.Intracomm, stage: int, dtype: np.dtype
     """Stage 0: everything full. 1: parameters and gradients full, Adam moments
     sharded. 2: parameters full, gradients and moments sharded, plus two staging
     buckets of the largest bucket's size (one with overlap=False). 3: everything
-    sharded, plus the staging and one gather bucket. Sharded categories sum over
+    sharded, plus the staging and as many gather buckets. Sharded categories sum over
     ranks to the model exactly: no padding."""
     spec = spec_of({n: s for n, (s, _) in TINY.items()}, dtype)
     params = make_params(spec, seed=29)
@@ -587,7 +587,7 @@ def test_memory_usage_per_stage(comm: MPI.Intracomm, stage: int, dtype: np.dtype
         }
         names = {2: ["grad_bucket"], 3: ["grad_bucket", "param_bucket"]}.get(stage, [])
         biggest = max(buckets) * dtype.itemsize
-        sizes = {"grad_bucket": slots * biggest, "param_bucket": biggest}
+        sizes = {"grad_bucket": slots * biggest, "param_bucket": slots * biggest}  # prefetch
         if comm_buffers != {f"{n}.{dtype.name}": sizes[n] for n in names}:
             problems.append(f"{what}: communication buffers {comm_buffers}")
         sums = comm.allreduce(np.array([usage[cat] for cat in SHARDED[stage]], dtype=np.int64))

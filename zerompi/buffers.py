@@ -68,6 +68,12 @@ class PlannedBuffer(NamedTuple):
 #: one's gradients are being added.
 OVERLAP_SLOTS = 2
 
+def gather_slots(overlap: bool) -> int:
+    """Stage 3's gather buffers: two with ``overlap`` (the next layer's gather moves
+    while the model uses the current one, :mod:`zerompi.prefetch`), else one."""
+    return 2 if overlap else 1
+
+
 #: Buckets of stages 0-1 reduced at once in ``step()`` (``reducer.REDUCE_WINDOW``):
 #: receive buffers a 16-bit reduction needs.
 REDUCE_SLOTS = 2
@@ -90,8 +96,9 @@ def buffer_plan(
     reduced gradient in ``M`` (the shard in 2-3, and in 0-1 when ``R`` differs: the
     shard in 1, all in 0); where ``R`` is 16-bit and the reduction goes through MPI,
     a receive buffer per staging bucket for every rank's part; one bucket of
-    parameter gathering in ``P`` (3); the two Adam moments in ``M`` over what Adam
-    runs on (everything in stage 0, the shard otherwise) and the Adam kernel's
+    parameter gathering in ``P`` per gather slot (3: two with ``overlap``); the two
+    Adam moments in ``M`` over what Adam runs on (everything in stage 0, the shard
+    otherwise) and the Adam kernel's
     scratch block.
     """
     plan: list[PlannedBuffer] = []
@@ -124,7 +131,8 @@ def buffer_plan(
             parts = (slots if stage >= 2 else REDUCE_SLOTS) * layout.world_size
             add("grad_recv", r_dt, parts * layout.max_part(dtype), "communication_buffers")
         if stage == 3:
-            add("param_bucket", p_dt, layout.max_bucket(dtype), "communication_buffers")
+            add("param_bucket", p_dt, layout.max_bucket(dtype) * gather_slots(overlap),
+                "communication_buffers")  # fmt: skip
         for kind in ("exp_avg", "exp_avg_sq"):
             add(kind, dtype, local, "optimizer_states")
         add("scratch", dtype, min(BLOCK, max(local, 1)), "scratch")

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .arrays import FlatArrays
-from .buffers import OVERLAP_SLOTS, full_grads_plan
+from .buffers import OVERLAP_SLOTS, full_grads_plan, gather_slots
+from .prefetch import LayerGather
 from .reducer import StreamReducer
 
 if TYPE_CHECKING:
@@ -71,10 +72,8 @@ class HandOver:
     _specs: dict[str, Any]
     _params: FlatArrays
     _grads: FlatArrays
-    _gathered: int | None
-    _gather_bufs: list[np.ndarray]
-    _gather_plans: list[Any]
-    _gather_blocks: list[Block | None]
+    _gathered: tuple[int, int] | None
+    _gather_blocks: list[list[Block | None]]
     _staging_blocks: list[list[Block | None]]
     _lookups: dict[tuple[str, ...], tuple[int, list[str], bool]]
     _closed: bool
@@ -89,17 +88,15 @@ class HandOver:
         layout, comm = self.layout, self.comm
         n = len(layout.buckets)
         self._lookups = {}
-        self._gather_blocks = [None] * n
         slots = 1 if self.plan.full_grads else OVERLAP_SLOTS if self.overlap else 1
         self._staging_blocks = [[None] * n for _ in range(slots)]
-        if not self.plan.full_params:
-            self._gather_bufs = [
-                stores["param_bucket"][b.dtype][: b.size] for b in layout.buckets
-            ]
-            self._gather_plans = [  # from the master shard straight into the buffer
-                comm.plan_allgatherv(buf, b.counts, b.displs, i, send=self._gather_source(i))
-                for i, (b, buf) in enumerate(zip(layout.buckets, self._gather_bufs, strict=True))
-            ]
+        self.layers: LayerGather | None = None
+        if not self.plan.full_params:  # from the master shard straight into the buffer
+            self.layers = LayerGather(
+                comm, layout, stores["param_bucket"], gather_slots(self.overlap),
+                self._gather_source,
+            )  # fmt: skip
+            self._gather_blocks = [[None] * n for _ in range(self.layers.slots)]
 
     def _gather_source(self, index: int) -> np.ndarray:
         """What stage 3 gathers bucket ``index`` from: this rank's shard, or its
@@ -213,22 +210,36 @@ class HandOver:
             )
         if index < 0:
             self._single_bucket(resolved, "gathered")  # raises: one bucket at a time
+        layers = self.layers
+        assert layers is not None
         start = time.perf_counter()
-        self._gather_plans[index].run()
+        slot = layers.gather(index)
         self.timings["allgather"] += time.perf_counter() - start
-        self._gathered = index
-        block = self._gather_blocks[index] if whole else None
+        self._gathered = (index, slot)
+        cache = self._gather_blocks[slot]
+        block = cache[index] if whole else None
         if block is None:
-            views = self._views(self._gather_bufs[index], index, resolved)
+            views = self._views(layers.bufs[slot][index], index, resolved)
             block = Block(views, always=self._release_gathered)
             if whole:
-                self._gather_blocks[index] = block
+                cache[index] = block
         return block
 
     def _release_gathered(self) -> None:
-        if DEBUG and self._gathered is not None:
-            self._gather_bufs[self._gathered].fill(np.nan)
+        if DEBUG and self._gathered is not None and self.layers is not None:
+            index, slot = self._gathered
+            self.layers.bufs[slot][index].fill(np.nan)
         self._gathered = None
+
+    def _gathers_done(self, step: bool = True) -> None:
+        """Before the shards change (``step()``'s Adam, a load) or the buffers go:
+        the gather in flight completes; a ``step`` also ends the order's recording
+        and starts the next step's from the top."""
+        if self.layers is not None:
+            if step:
+                self.layers.end_step()
+            else:
+                self.layers.finish()
 
     def gradients(self, *names: str) -> Block:
         """``with opt.gradients(*names) as g``: arrays to *add* the gradients of

@@ -188,7 +188,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         self.timings = dict.fromkeys(PHASES, 0.0)
         self._order = list(params)
         self._micro_batches = 0
-        self._gathered: int | None = None  # stage 3: bucket in the gather buffer
+        self._gathered: tuple[int, int] | None = None  # stage 3: (bucket, slot) in use
         self._stats = np.zeros(7)  # this rank's row of the step agreement
         self._allocate(params)
         comm_.step = 1
@@ -304,6 +304,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         every bucket and publishes the updated parameters. Leaves every gradient
         buffer zeroed."""
         self._live("step")
+        self._gathers_done()  # stage 3: no gather may read the shards Adam will write
         if self._micro_batches == 0:
             self.accumulate()  # what was handed over is the one micro-batch
         else:
@@ -415,6 +416,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         inspected and saved, not trained. ``with ZeroOptimizer(...) as opt:`` calls
         it on a normal exit."""
         if not self._closed:
+            self._gathers_done()
             self.reducer.close()
             self.pool.close()
             self._closed = True

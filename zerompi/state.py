@@ -53,6 +53,9 @@ class OptimizerState:
     def close(self) -> None:
         raise NotImplementedError
 
+    def _gathers_done(self, step: bool = True) -> None:
+        raise NotImplementedError
+
     # -- inspection ------------------------------------------------------------
 
     def pop_timings(self) -> dict[str, float]:
@@ -154,6 +157,7 @@ class OptimizerState:
         rank's full copies whole again (gathered, not counted as training traffic)
         and discard accumulated gradients."""
         comm, masters = self.comm, self._masters()
+        self._gathers_done(step=False)  # a stage-3 gather in flight still reads the shards
         traffic, comm.traffic = comm.traffic, {}
         try:
             buckets = self.layout.buckets
