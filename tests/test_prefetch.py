@@ -10,8 +10,15 @@ import pytest
 from helpers import assert_all
 from mpi4py import MPI
 
+import zerompi.prefetch
 from zerompi import ZeroOptimizer
 from zerompi.reference import ReferenceAdam
+
+
+@pytest.fixture(autouse=True)
+def prefetch_every_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These layers are tiny: prefetch them anyway (the threshold is about speed)."""
+    monkeypatch.setattr(zerompi.prefetch, "PREFETCH_MIN_ELEMS", 1)
 
 LAYERS = ["l0", "l1", "l2", "l3"]
 SHAPES = {"l0.w": (3, 2), "l0.b": (2,), "l1.w": (5,), "l2.w": (1,), "l3.w": (4, 2)}
@@ -117,3 +124,11 @@ def test_two_gather_buffers_with_overlap() -> None:
     single = ZeroOptimizer(params(), stage=3, bucket_elems=1, overlap=False)
     assert opt.memory_buffers()["param_bucket.float32"] == 2 * 4 * 8
     assert single.memory_buffers()["param_bucket.float32"] == 4 * 8
+
+
+def test_small_layers_are_not_prefetched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below the threshold a gather is not worth starting ahead: none is in flight."""
+    monkeypatch.setattr(zerompi.prefetch, "PREFETCH_MIN_ELEMS", 9)  # l3.w has 8
+    opt = ZeroOptimizer(params(), stage=3, bucket_elems=1)
+    ahead = [one_step(opt, 0, step, LAYERS, LAYERS[::-1]) for step in range(2)]
+    assert not any(ahead[1])

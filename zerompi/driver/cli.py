@@ -175,6 +175,12 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         "instead of messages, when every rank is on one node",
     )
     p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="the optimizer's overlap=False: one staging bucket, each reduction waited "
+        "at once, and in stage 3 blocking gathers with no prefetch",
+    )
+    p.add_argument(
         "--max-norm",
         type=positive_float,
         help="clip the averaged gradient to this global L2 norm (torch's clip_grad_norm_)",

@@ -192,6 +192,7 @@ def make_optimizer(args: argparse.Namespace, comm: Comm) -> ZeroOptimizer:
         max_norm=args.max_norm,
         nonfinite=args.nonfinite,
         shared_memory=args.shared_memory,
+        overlap=not args.no_overlap,
         param_dtype=args.param_dtype,
         reduce_dtype=args.reduce_dtype,
         loss_scale=loss_scale_arg(args.loss_scale),
