@@ -25,8 +25,10 @@ split into unequal groups, the world in reverse rank order), so a single
 from __future__ import annotations
 
 import io
+import os
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 from helpers import CollectiveAssertionError
@@ -156,3 +158,46 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if name in ("split", "reversed"):
             c.Free()
     _COMMS.clear()
+
+
+#: What MPI libraries leave in /dev/shm when a job is aborted or killed (MPICH's
+#: mpich_shm_*, Open MPI's sm_segment.*): the harness, failure and watchdog tests
+#: abort jobs on purpose, about 90 MiB per suite run, enough to fill the 64 MiB
+#: /dev/shm of a typical container and stop later jobs from starting.
+_LEAKS = ("mpich_shm_", "sm_segment.")
+
+
+def _shm_leftovers() -> set[str]:
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return set()
+    uid = os.getuid()
+    out = set()
+    for name in names:
+        if name.startswith(_LEAKS):
+            try:
+                if os.stat(os.path.join("/dev/shm", name)).st_uid == uid:
+                    out.add(name)
+            except OSError:
+                pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_memory_left_behind() -> Iterator[None]:
+    """In a one-process run (where the subprocess jobs run, one at a time), remove
+    the MPI libraries' shared-memory files that appeared during a test: its jobs have
+    ended, so nothing uses them. Never under mpiexec, where the other ranks' are live.
+    (Another MPI job of this user starting during the same test would lose its files'
+    names: run the suite alone, as CI does.)"""
+    if MPI.COMM_WORLD.Get_size() > 1:
+        yield
+        return
+    before = _shm_leftovers()
+    yield
+    for name in _shm_leftovers() - before:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
