@@ -416,28 +416,53 @@ adam_low(char kind, int variant, int low_kind, Py_buffer *views, uint16_t *low, 
     }
 }
 
-/* The uint16 array `obj` of `n` elements for a rounded copy, or -1 with an exception. */
+/* The uint16 array `obj` of `n` elements holding 16-bit floats (`name`: for errors),
+ * or -1 with an exception. */
 static int
-get_low(PyObject *obj, Py_buffer *view, Py_ssize_t n, int kind)
+get_low(PyObject *obj, Py_buffer *view, Py_ssize_t n, int kind, int writable, const char *name)
 {
     if (kind != 0 && kind != 1) {
         PyErr_Format(PyExc_ValueError, "low_kind must be 0 (bfloat16) or 1 (float16), got %d",
                      kind);
         return -1;
     }
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
-        PyErr_SetString(PyExc_TypeError, "low must be a writable contiguous uint16 array");
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %scontiguous uint16 array", name,
+                     writable ? "writable " : "");
         return -1;
     }
     const char *f = view->format ? view->format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
     if (view->itemsize != 2 || f[0] != 'H' || view->len != 2 * n) {
-        PyErr_Format(PyExc_ValueError, "low must be %zd uint16 elements, got %zd bytes of '%s'",
-                     n, view->len, view->format);
+        PyErr_Format(PyExc_ValueError, "%s must be %zd uint16 elements, got %zd bytes of '%s'",
+                     name, n, view->len, view->format);
         PyBuffer_Release(view);
         return -1;
     }
     return 0;
+}
+
+/* A contiguous float32/float64 array (its kind, 'f' or 'd') and a uint16 array of as
+ * many 16-bit floats, or 0 with an exception and nothing held. */
+static char
+get_wide_and_low(PyObject *wide_obj, Py_buffer *wide, int wide_writable, const char *wide_name,
+                 PyObject *low_obj, Py_buffer *low, int low_kind, int low_writable,
+                 const char *low_name)
+{
+    if (get_vector(wide_obj, wide, wide_writable, wide_name) < 0) return 0;
+    const char kind = element_kind(wide);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "%s must be float32 or float64, got format '%s'",
+                     wide_name, wide->format);
+        PyBuffer_Release(wide);
+        return 0;
+    }
+    if (get_low(low_obj, low, wide->len / wide->itemsize, low_kind, low_writable, low_name) < 0) {
+        PyBuffer_Release(wide);
+        return 0;
+    }
+    return kind;
 }
 
 static PyObject *
@@ -492,7 +517,7 @@ adam(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     Py_ssize_t n = views[0].len / views[0].itemsize;
     if (low_obj != Py_None) {
-        if (get_low(low_obj, &low_view, n, low_kind) < 0) goto done;
+        if (get_low(low_obj, &low_view, n, low_kind, 1, "low") < 0) goto done;
         have_low = 1;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -532,19 +557,9 @@ round_low(PyObject *self, PyObject *args, PyObject *kwargs)
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
     Py_buffer src, low;
-    if (get_vector(src_obj, &src, 0, "src") < 0) return NULL;
-    char kind = element_kind(&src);
-    if (!kind) {
-        PyErr_Format(PyExc_TypeError, "src must be float32 or float64, got format '%s'",
-                     src.format);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    Py_ssize_t n = src.len / src.itemsize;
-    if (get_low(low_obj, &low, n, low_kind) < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
+    const char kind = get_wide_and_low(src_obj, &src, 0, "src", low_obj, &low, low_kind, 1, "low");
+    if (!kind) return NULL;
+    const Py_ssize_t n = src.len / src.itemsize;
     Py_BEGIN_ALLOW_THREADS
     if (kind == 'f')
         round_float_v[variant][low_kind](src.buf, low.buf, n);
@@ -575,19 +590,10 @@ accumulate(PyObject *self, PyObject *args, PyObject *kwargs)
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
     Py_buffer out, part;
-    if (get_vector(out_obj, &out, 1, "out") < 0) return NULL;
-    char kind = element_kind(&out);
-    if (!kind) {
-        PyErr_Format(PyExc_TypeError, "out must be float32 or float64, got format '%s'",
-                     out.format);
-        PyBuffer_Release(&out);
-        return NULL;
-    }
-    Py_ssize_t n = out.len / out.itemsize;
-    if (get_low(part_obj, &part, n, low_kind) < 0) {
-        PyBuffer_Release(&out);
-        return NULL;
-    }
+    const char kind =
+        get_wide_and_low(out_obj, &out, 1, "out", part_obj, &part, low_kind, 0, "part");
+    if (!kind) return NULL;
+    const Py_ssize_t n = out.len / out.itemsize;
     Py_BEGIN_ALLOW_THREADS
     if (kind == 'f')
         acc_float_v[variant][low_kind](out.buf, part.buf, n, add);

@@ -212,9 +212,9 @@ class ZeroOptimizer(HandOver, OptimizerState):
         self._flat = stores["params"]  # full params (0-2) or shard (3)
         self._specs = {spec.name: spec for spec in layout.params}
         self.parts = bucket_parts(self.plan, layout, stores)
+        low = any(p.low_params for p in self.precisions.values())
         if self.plan.full_params:
             views = {n: self._view(self._flat, n) for n in self._order}
-            low = any(p.low_params for p in self.precisions.values())
             for view in views.values() if low else ():
                 view.flags.writeable = False  # a rounded copy: writing it would not stick
             self._params = FlatArrays(views, "parameter", read_only=low)

@@ -18,7 +18,7 @@ step's fingerprint still sees them.
 from __future__ import annotations
 
 import atexit
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -121,6 +121,3 @@ class LayerGather:
         self.recording = False
         self.pos = 0
         self.following = True
-
-    def buffers(self, index: int) -> Sequence[np.ndarray]:
-        return [row[index] for row in self.bufs]

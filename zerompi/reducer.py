@@ -21,16 +21,11 @@ from typing import NamedTuple
 import numpy as np
 
 from .adam import accumulate
+from .buffers import REDUCE_WINDOW
 from .mpi.collectives import Comm, Pending, Planned
 from .mpi.shm import SharedSegment
 from .partition import Bucket, Layout
 from .plan import Part
-
-#: Stage 0-1 reductions in flight at once in ``step()``: bucket i+2 starts when bucket
-#: i is complete. Starting all of them at once measured as slow as one collective on
-#: the whole buffer (2.5x slower than bucket by bucket at 64M parameters): MPICH works
-#: on all of them together and the working set leaves the cache.
-REDUCE_WINDOW = 2
 
 Visit = Callable[[int], None]
 
@@ -80,10 +75,7 @@ class FullReducer:
         n, comm = len(self.parts), self.comm
         started = [self.planned[i].start() for i in range(min(REDUCE_WINDOW, n))]
         for index, part in enumerate(self.parts):
-            received = started[index].wait()
-            mine = part.stats.shape[0]
-            sum_parts(part.stats, [received[q * mine : (q + 1) * mine] for q in range(comm.size)],
-                      self.micro > 0)  # fmt: skip
+            sum_received(part.stats, started[index].wait(), comm.size, self.micro > 0)
             part.full_grad.fill(0)  # type: ignore[union-attr]
             if index + REDUCE_WINDOW < n:  # its receive region is free again
                 started.append(self.planned[index + REDUCE_WINDOW].start())
@@ -155,6 +147,13 @@ def sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
         _sum_parts(out, parts, add)
 
 
+def sum_received(out: np.ndarray, received: np.ndarray, ranks: int, add: bool) -> None:
+    """:func:`sum_parts` of what an ``Alltoallv`` of a bucket delivered: every rank's
+    part of ``len(out)`` elements, one after the other in rank order."""
+    mine = out.shape[0]
+    sum_parts(out, [received[q * mine : (q + 1) * mine] for q in range(ranks)], add)
+
+
 def _sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
     if parts and parts[0].dtype.itemsize == 2:  # 16-bit parts: the compiled upcast-add
         for i, part in enumerate(parts):
@@ -163,7 +162,7 @@ def _sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
     if add:
         for part in parts:
             np.add(out, part, out=out)
-    elif len(parts) == 1 or parts[0].dtype != out.dtype:
+    elif len(parts) == 1:
         np.copyto(out, parts[0])
         for part in parts[1:]:
             np.add(out, part, out=out)
@@ -349,9 +348,7 @@ class StreamReducer:
             reduced = reduction.pending.wait()
             if reduction.split:  # every rank's part: summed here, in the master dtype
                 target = self.parts[reduction.index].grad
-                mine = target.shape[0]
-                parts = [reduced[q * mine : (q + 1) * mine] for q in range(self.comm.size)]
-                sum_parts(target, parts, reduction.add)
+                sum_received(target, reduced, self.comm.size, reduction.add)
             elif reduction.add:
                 target = self.parts[reduction.index].grad
                 np.add(target, reduced, out=target)
