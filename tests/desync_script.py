@@ -7,6 +7,8 @@ CASE is what rank 0 (or rank 1) does differently:
 
 * ``mix``: rank 0 hands over group ``a``, rank 1 group ``b`` (buckets of equal size);
 * ``accumulate``: rank 0 calls ``accumulate()`` once more than the others;
+  ``accumulate16`` the same with bfloat16 gradients, where stages 0-1 reduce at every
+  ``accumulate()`` (a collective: the watchdog ends it);
 * ``step0``: only rank 0 calls ``step()``;
 * ``save0``: only rank 0 calls ``opt.save(...)``;
 * ``full0``: only rank 0 calls ``opt.full_params()`` (a collective in stage 3);
@@ -31,14 +33,15 @@ from zerompi import ZeroOptimizer
 def main(case: str, stage: int, shared: bool) -> int:
     rank = MPI.COMM_WORLD.Get_rank()
     params = {"a.w": np.zeros(4, np.float32), "b.w": np.zeros(4, np.float32)}
-    opt = ZeroOptimizer(params, stage=stage, shared_memory=shared, lr=1.0, bucket_elems=4)
+    low = {"reduce_dtype": "bfloat16"} if case.endswith("16") else {}
+    opt = ZeroOptimizer(params, stage=stage, shared_memory=shared, lr=1.0, bucket_elems=4, **low)
     print(f"START {time.time():.6f}", file=sys.stderr, flush=True)
     if case in ("mix", "none"):
         name = "a" if rank == 0 or case == "none" else "b"
         with opt.gradients(name) as g:
             g[f"{name}.w"][...] += 1.0
         opt.step()
-    elif case == "accumulate":
+    elif case in ("accumulate", "accumulate16"):
         for name in ("a", "b"):
             with opt.gradients(name) as g:
                 g[f"{name}.w"][...] += 1.0

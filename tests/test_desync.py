@@ -143,6 +143,20 @@ WATCHDOG_CASES = [
 
 
 @pytest.mark.mpi_skip
+@pytest.mark.parametrize("stage", [0, 1])
+def test_watchdog_ends_one_more_accumulate_with_16_bit_gradients(stage: int) -> None:
+    """bfloat16 gradients at stages 0-1 are reduced at every ``accumulate()`` (never
+    summed in 16 bits), so one more call on rank 0 is a collective the other rank
+    never enters: the watchdog ends the job, naming the alltoallv."""
+    status, out, seconds = _job("accumulate16", stage)
+    assert status != 0, out
+    assert seconds < TIMEOUT + SLACK, f"{seconds:.1f} s:\n{out}"
+    assert "zerompi watchdog: rank 0 of 2 has waited" in out, out
+    assert "in alltoallv of bucket 0" in out, out
+    assert "aborting all ranks" in out, out
+
+
+@pytest.mark.mpi_skip
 @pytest.mark.parametrize(("case", "stage", "shared", "waits_in"), WATCHDOG_CASES)
 def test_watchdog_ends_a_collective_one_rank_never_enters(
     case: str, stage: int, shared: bool, waits_in: str

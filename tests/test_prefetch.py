@@ -5,10 +5,13 @@ whatever the order of later steps, and every rank agrees."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers import assert_all
 from mpi4py import MPI
+from test_checkpoint import shared_path
 
 import zerompi.prefetch
 from zerompi import ZeroOptimizer
@@ -91,7 +94,9 @@ def test_prefetch_matches_blocking_gathers(comm: MPI.Intracomm, order: str) -> N
     assert_all(not problems, "; ".join(problems))
 
 
-def test_step_load_and_close_with_a_gather_in_flight(comm: MPI.Intracomm, mpi_tmp_path) -> None:
+def test_step_load_and_close_with_a_gather_in_flight(
+    comm: MPI.Intracomm, mpi_tmp_path: Path
+) -> None:
     """A step whose backward ends early (a gather in flight at ``step()``), a load
     while one is in flight, and ``close()`` with one in flight: each completes it
     first, and the parameters are the blocking run's."""
@@ -103,8 +108,7 @@ def test_step_load_and_close_with_a_gather_in_flight(comm: MPI.Intracomm, mpi_tm
         one_step(opt, rank, 1, LAYERS, LAYERS[:1:-1])  # l3, l2 only: l1 prefetched at step()
         with opt.gathered("l0"):
             pass  # l1 in flight again
-        path = str(mpi_tmp_path / f"prefetch-{overlap}-w{comm.Get_size()}.ckpt")
-        path = comm.bcast(path, root=0)
+        path = shared_path(mpi_tmp_path, comm, f"prefetch-{overlap}")  # one per group
         opt.save(path)
         with opt.gathered("l0"):
             pass

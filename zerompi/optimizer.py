@@ -288,7 +288,10 @@ class ZeroOptimizer(HandOver, OptimizerState):
     def accumulate(self) -> None:
         """End of one micro-batch: its gradients are folded into the accumulated
         gradient and the gradient buffers take the next one. No collective of its
-        own: the step's agreement checks that every rank counted alike."""
+        own (the step's agreement checks that every rank counted alike), except where
+        a micro-batch must be reduced at once: stage 2's ``opt.grads`` mode, and
+        16-bit gradients at stages 0-1 (never accumulated in 16 bits); there a rank
+        that counts differently is ended by the watchdog."""
         self._live("accumulate")
         self._micro_batches += 1
         start = time.perf_counter()

@@ -159,13 +159,10 @@ class LossScale:
         if self.scale != old:
             self.history.append((step, old, self.scale))
 
-    def state(self) -> dict[str, float]:
-        """What a checkpoint keeps."""
-        return {"scale": self.scale, "good_steps": float(self.good_steps)}
-
-    def load(self, state: dict[str, float]) -> None:
-        self.scale = finite_real("loss scale", state["scale"], positive=True)
-        self.good_steps = int(state.get("good_steps", 0))
+    def restore(self, scale: object, good_steps: object) -> None:
+        """Take a saved scale and good-step count back (a checkpoint's)."""
+        self.scale = finite_real("loss scale", scale, positive=True)
+        self.good_steps = int(good_steps)  # type: ignore[call-overload]
 
 
 def loss_scale_of(value: object, reduce: np.dtype | None) -> LossScale | None:

@@ -207,8 +207,7 @@ class OptimizerState:
         static or absent one leaves this optimizer's own."""
         scaler = self.scaler
         if scaler is not None and scaler.dynamic and settings.get("loss_scale_dynamic"):
-            scaler.load({"scale": settings["loss_scale"],
-                         "good_steps": settings.get("loss_scale_good_steps", 0)})  # fmt: skip
+            scaler.restore(settings["loss_scale"], settings.get("loss_scale_good_steps", 0))
 
     # -- checkpoints -----------------------------------------------------------
 

@@ -108,10 +108,13 @@ class Watchdog:
     def publish(self) -> None:
         """Write this rank's state into the node's heartbeat now (the thread does it
         once per poll; at exit, this shows the others where this rank stopped)."""
-        last = self.last
+        self._mark(self.last, self.current is not None, time.monotonic_ns())
+
+    @staticmethod
+    def _mark(last: tuple[Any, str, int, int, int] | None, waiting: bool, now: int) -> None:
         if last is not None and last[0].heartbeat is not None:
             comm, op, seq, _, step = last
-            comm.heartbeat.mark(seq, op, step, self.current is not None, time.monotonic_ns())
+            comm.heartbeat.mark(seq, op, step, waiting, now)
 
     def leave(self) -> None:
         """The wait begun by :meth:`enter` is over."""
@@ -126,9 +129,7 @@ class Watchdog:
             wait, last = self.current, self.last
             if last is not seen or (wait is not None) != seen_waiting:
                 seen, seen_waiting, since = last, wait is not None, now  # a new state
-                if last is not None and last[0].heartbeat is not None:
-                    comm, op, seq, _, step = last
-                    comm.heartbeat.mark(seq, op, step, seen_waiting, now)
+                self._mark(last, seen_waiting, now)
             elif (
                 wait is not None and not self._fired and wait[0].timeout is not None
                 and now - since > wait[0].timeout * 1e9
