@@ -35,7 +35,17 @@ from helpers import CollectiveAssertionError
 from hypothesis import HealthCheck, settings
 from mpi4py import MPI
 
+import zerompi
+
 WORLD = MPI.COMM_WORLD
+
+# The suite's subprocesses (mpiexec'd scripts, the driver, the benchmark) must run the
+# zerompi under test, not whatever this Python's site-packages point at: a script in
+# tests/ does not see the working directory, and an editable install left over from
+# another checkout would be found instead (or nothing at all).
+_UNDER_TEST = os.path.dirname(os.path.dirname(os.path.abspath(zerompi.__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_UNDER_TEST, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 # Every rank must draw the same examples in the same order, or the collectives
 # inside a property test would pair up differently and hang. Timing-based checks
