@@ -10,6 +10,9 @@ initial values on every rank, a different gradient per rank prepared once):
 * the bare-MPI baseline of the same bytes and the ``overhead`` ratio, the Adam
   kernel's elements/s on one core against the copy-bandwidth roofline
   (:mod:`.baseline`);
+* ``floor_ms``, the bytes the step's data flow must read and write at minimum over
+  the memory bandwidth all ranks reach streaming together (measured once per run),
+  and ``step_per_floor = step_ms / floor_ms`` (:mod:`.floor`);
 * where torch is installed (and not ``--no-torch``), a flat-buffer DDP and
   ``ZeroRedundancyOptimizer`` on gloo, and torch's fused Adam (:mod:`.peers`);
 
@@ -33,6 +36,7 @@ collectives and the idle wait through :mod:`zerompi.mpi.bare`, the rest through
 
 from .baseline import baseline_ms, bench_baseline, copy_roofline, measure_kernel
 from .cli import build_parser, main, parse_args
+from .floor import floor_bytes, floor_fields, fused_floor_bytes, stream_bandwidth
 from .model import deferred_model, init_tensor, make_grads, tensor_sizes
 from .report import plot, table, targets
 from .run import bench_size, run
@@ -48,6 +52,9 @@ __all__ = [
     "build_parser",
     "copy_roofline",
     "deferred_model",
+    "floor_bytes",
+    "floor_fields",
+    "fused_floor_bytes",
     "init_tensor",
     "main",
     "make_grads",
@@ -56,6 +63,7 @@ __all__ = [
     "plot",
     "run",
     "run_iteration",
+    "stream_bandwidth",
     "table",
     "targets",
     "tensor_sizes",

@@ -162,6 +162,7 @@ def bench_stage(
     return {
         "stage": stage,
         "params": params,
+        "dtype": args.dtype,  # the master copy's
         "param_dtype": precision[0] or args.dtype,
         "reduce_dtype": precision[1] or args.dtype,
         "world_size": comm.size,
