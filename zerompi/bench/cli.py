@@ -22,6 +22,7 @@ from ..runtime import (
     prepare_outputs,
     write_json,
 )
+from .floor import STREAM_ELEMS
 from .report import plot, table
 from .run import run
 
@@ -74,6 +75,10 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
             "The many-tensor row (--tensors) reports us_per_tensor = wall_ms / tensors "
             "and overhead_us_per_tensor = (wall_ms - bare_ms) / tensors, bare_ms being the "
             "same stage's bare collectives over the optimizer's buckets plus the kernel. "
+            "floor_ms is the bytes the step's data flow must read and write at minimum "
+            "(floor_bytes_per_elem, per shard element) over the memory bandwidth all "
+            "ranks reach streaming together (stream_gbps, measured once per run); "
+            "step/floor = step_ms / floor_ms. "
             "Targets (stage 2 ratios; stage 3 many-tensor overhead <= 30 us) are printed, "
             "not asserted. The folders of --json and --plot are made before measuring."
         ),
@@ -145,6 +150,14 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         type=positive,
         default=DEFAULT_TENSOR_SIZE,
         help="elements of each tensor of the --tensors row",
+    )
+    p.add_argument(
+        "--stream-elems",
+        type=positive,
+        default=STREAM_ELEMS,
+        help="float32 elements of each of the two arrays of the memory-bandwidth probe "
+        "(every rank at once streams np.add(a, b, out=a)), whose bandwidth divides "
+        "floor_ms; far larger than the cache, or the floor is not one",
     )
     p.add_argument(
         "--seed", type=non_negative, default=0, help="seed of the parameters and gradients"

@@ -1,6 +1,7 @@
-"""The whole benchmark: every model size (one row per stage, the bare baseline, the
-torch peers, the kernel), then the many-tensor rows; the results, identical on every
-rank."""
+"""The whole benchmark: the memory bandwidth of all ranks streaming at once (once, for
+every row's floor), every model size (one row per stage, the bare baseline, the torch
+peers, the kernel, the floor), then the many-tensor rows; the results, identical on
+every rank."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..mpi.collectives import Comm
 from ..mpi.launch import library_version
 from ..runtime import blas_threads
 from .baseline import KERNEL_MAX_ELEMS, baseline_ms, bench_baseline, measure_kernel
+from .floor import floor_fields, stream_bandwidth
 from .model import make_grads, tensor_sizes
 from .peers import bench_torch, load_torch
 from .report import fmt_dict, targets
@@ -103,9 +105,18 @@ def _measure(
            "gradients" if args.param_dtype or args.reduce_dtype else "")
         + (f", {args.tensors:,} tensors of {args.tensor_size:,}" if args.tensors else ""),
     )
+    stream = stream_bandwidth(comm, args.stream_elems)
+    say(
+        comm,
+        f"memory bandwidth, {comm.size} rank(s) streaming at once: "
+        f"{stream['stream_gbps']:.2f} GB/s (np.add over {args.stream_elems:,} float32 "
+        f"elements, best of {stream['reps']})",
+    )
     rows: list[dict[str, Any]] = []
     for params in args.sizes:
         rows.extend(bench_size(comm, params, args, torch))
+    for row in rows:
+        row.update(floor_fields(row, stream["stream_gbps"]))
     tensor_rows = bench_many_tensors(comm, args) if args.tensors else []
     for row in tensor_rows:
         say(
@@ -128,6 +139,8 @@ def _measure(
         "kernel": kernels[max(kernels)],
         "kernels": [kernels[n] for n in sorted(kernels)],
         "roofline": kernels[max(kernels)]["roofline"],
+        "stream_gbps": stream["stream_gbps"],
+        "stream": stream,
         "argv": list(argv),
         "rows": rows,
         "many_tensors": tensor_rows,
