@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .floor import describe
 from .timing import ratio
 
 #: Targets of the issue at stage 2 (reported, not asserted): (key, limit, meaning).
@@ -64,7 +65,8 @@ def mixed_table(rows: Sequence[dict[str, Any]]) -> list[str]:
         "mixed precision (each right after its stage in the master dtype; bytes sent "
         "per step and rank)",
         f"{'stage':>5} {'params':>12} {'params/grads':>18} {'step_ms':>9} {'rs_ms':>9} "
-        f"{'adam_ms':>9} {'ag_ms':>9} {'rs_bytes':>12} {'ag_bytes':>12} {'vs_same':>7}",
+        f"{'adam_ms':>9} {'ag_ms':>9} {'floor':>9} {'step/floor':>10} {'rs_bytes':>12} "
+        f"{'ag_bytes':>12} {'vs_same':>7}",
     ]
     for r in sorted(rows, key=lambda r: (r["params"], r["stage"])):
         ph, sent = r["phase_ms"], r["comm_bytes"]
@@ -72,8 +74,46 @@ def mixed_table(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"{r['stage']:>5} {r['params']:>12,} "
             f"{r['param_dtype'] + '/' + r['reduce_dtype']:>18} {r['step_ms']:>9.3f} "
             f"{ph['reduce_scatter']:>9.3f} {ph['adam']:>9.3f} {ph['allgather']:>9.3f} "
-            f"{sent['reduce_scatter']:>12,.0f} {sent['allgather']:>12,.0f} "
+            f"{_floor_cells(r)} {sent['reduce_scatter']:>12,.0f} {sent['allgather']:>12,.0f} "
             f"{_fmt(r.get('vs_same_stage'), '.2f'):>7}"
+        )
+    return lines + floor_bytes_lines(rows)
+
+
+def _floor_cells(row: dict[str, Any]) -> str:
+    """The ``floor`` and ``step/floor`` cells of a row (``-`` where missing, as in a
+    JSON written before the floor existed)."""
+    return f"{_fmt(row.get('floor_ms')):>9} {_fmt(row.get('step_per_floor'), '.2f'):>10}"
+
+
+def floor_header(results: dict[str, Any]) -> list[str]:
+    """What ``floor`` divides by: the bandwidth of every rank streaming at once, and
+    how it was measured (none in a JSON written before the floor existed)."""
+    gbps, stream = results.get("stream_gbps"), results.get("stream")
+    if gbps is None or stream is None:
+        return []
+    return [
+        f"floor = bytes per element x busiest rank's elements x {results['world_size']} "
+        f"ranks / {gbps:.2f} GB/s, the memory bandwidth of {stream['ranks']} rank(s) "
+        f"streaming np.add(a, b, out=a) at once over {stream['elems']:,} float32 "
+        f"elements (best of {stream['reps']}); step/floor = step_ms / floor"
+    ]
+
+
+def floor_bytes_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The bytes per element each stage's floor counts (one line per stage and
+    dtypes), and the fused design's minimum next to it."""
+    seen: dict[tuple[int, str, str], dict[str, Any]] = {}
+    for r in rows:
+        if "floor_bytes_per_elem" in r:
+            seen.setdefault((r["stage"], r["param_dtype"], r["reduce_dtype"]), r)
+    lines = []
+    for (stage, param, reduce), r in sorted(seen.items()):
+        per = "model" if stage == 0 else "shard"
+        lines.append(
+            f"floor of stage {stage} ({param} params, {reduce} gradients), bytes per "
+            f"{per} element: {describe(r['floor_bytes_per_elem'])} (fused design "
+            f"{r['fused_floor_bytes_per_elem']})"
         )
     return lines
 
@@ -92,22 +132,23 @@ def table(results: dict[str, Any]) -> str:
     """The human-readable summary rank 0 prints."""
     head = (
         f"{'stage':>5} {'params':>12} {'step_ms':>9} {'rs_ms':>9} {'adam_ms':>9} "
-        f"{'ag_ms':>9} {'wall_ms':>9} {'base_ms':>9} {'overhd':>7} {'ddp_ms':>9} "
-        f"{'zero_ms':>9} {'vs_ddp':>7} {'vs_zero':>7}"
+        f"{'ag_ms':>9} {'floor':>9} {'step/floor':>10} {'wall_ms':>9} {'base_ms':>9} "
+        f"{'overhd':>7} {'ddp_ms':>9} {'zero_ms':>9} {'vs_ddp':>7} {'vs_zero':>7}"
     )
     lines = [
         f"zerompi.bench: world size {results['world_size']}, {results['mpi_library']}, "
         f"{results['dtype']}, median of {results['steps']} steps (ms, slowest rank)",
-        head,
     ]
     same = [r for r in results["rows"] if "kernel" in r]  # the float32 (--dtype) rows
+    lines += floor_header(results) + floor_bytes_lines(same) + [head]
     for r in sorted(same, key=lambda r: (r["params"], r["stage"])):
         t = r.get("torch", {})
         ph = r["phase_ms"]
         lines.append(
             f"{r['stage']:>5} {r['params']:>12,} {r['step_ms']:>9.3f} "
             f"{ph['reduce_scatter']:>9.3f} {ph['adam']:>9.3f} {ph['allgather']:>9.3f} "
-            f"{r['wall_ms']:>9.3f} {r['baseline_ms']:>9.3f} {_fmt(r['overhead'], '.2f'):>7} "
+            f"{_floor_cells(r)} {r['wall_ms']:>9.3f} {r['baseline_ms']:>9.3f} "
+            f"{_fmt(r['overhead'], '.2f'):>7} "
             f"{_fmt(t.get('ddp_fused_ms')):>9} {_fmt(t.get('zero_ms')):>9} "
             f"{_fmt(r.get('vs_ddp'), '.2f'):>7} {_fmt(r.get('vs_zero'), '.2f'):>7}"
         )
