@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from test_harness import mpiexec
 
+from zerompi.bench.floor import floor_bytes
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -25,12 +27,14 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.bench"]
     cmd += ["--sizes", "1000,5", "--steps", "2", "--warmup", "1", "--no-torch"]
     cmd += ["--tensors", "40", "--tensor-size", "16", "--no-shared-memory"]
-    cmd += ["--json", str(out), "--blas-threads", "1"]
+    cmd += ["--json", str(out), "--blas-threads", "1", "--stream-elems", "65536"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     results = json.loads(out.read_text())
     assert results["world_size"] == 2
+    assert results["stream_gbps"] > 0  # measured once, before the sizes
+    assert results["stream"]["bytes_per_pass"] == 2 * 3 * 4 * 65536
     assert {"mpi_library", "kernel", "roofline", "argv", "rows"} <= set(results)
     assert results["kernel"]["n"] == 1000  # the largest kernel measurement
     assert results["kernel"]["elems_per_s"] > 0
@@ -45,6 +49,18 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
         assert set(row["phase_ms"]) == {"reduce_scatter", "adam", "allgather"}
         assert {"impl", "elems_per_s", "torch_fused_elems_per_s", "ratio"} <= set(row["kernel"])
         assert "torch" not in row  # --no-torch
+        # The floor: positive, with the run's bandwidth and the bytes it assumes.
+        assert row["dtype"] == "float32"
+        assert row["stream_gbps"] == results["stream_gbps"]
+        assert row["floor_ms"] > 0 and row["fused_floor_ms"] > 0
+        assert row["step_per_floor"] == row["step_ms"] / row["floor_ms"]
+        assert row["floor_bytes_per_elem"] == floor_bytes(row)
+        assert set(row["floor_bytes_per_elem"]) == {"reduce", "stats", "adam", "gather"}
+    assert {r["stage"]: sum(r["floor_bytes_per_elem"].values()) for r in rows} == {
+        0: 44, 1: 52, 2: 52, 3: 44,
+    }  # fmt: skip
+    assert "step/floor" in proc.stdout
+    assert "reduce 12 + stats 4 + adam 28 + gather 8 = 52" in proc.stdout
     # The many-tensor row: one per stage, with the per-tensor figures.
     many = results["many_tensors"]
     assert [r["stage"] for r in many] == [0, 1, 2, 3]
@@ -82,7 +98,7 @@ def test_mixed_precision_rows_sit_next_to_the_float32_ones(tmp_path: Path) -> No
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.bench"]
     cmd += ["--sizes", "1000", "--steps", "2", "--warmup", "1", "--no-torch", "--tensors", "0"]
     cmd += ["--param-dtype", "bfloat16", "--reduce-dtype", "bfloat16", "--json", str(out)]
-    cmd += ["--blas-threads", "1"]
+    cmd += ["--blas-threads", "1", "--stream-elems", "65536"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
@@ -94,4 +110,7 @@ def test_mixed_precision_rows_sit_next_to_the_float32_ones(tmp_path: Path) -> No
         for op in ("reduce_scatter", "allgather"):
             assert 2 * mixed[stage]["comm_bytes"][op] == same[stage]["comm_bytes"][op], (stage, op)
     assert all(r["reduce_dtype"] == "bfloat16" and r["vs_same_stage"] > 0 for r in mixed.values())
+    # The floor counts 2-byte gradient parts, the 2-byte copy Adam writes, 2-byte gathers.
+    assert mixed[2]["floor_bytes_per_elem"] == {"reduce": 8, "stats": 4, "adam": 30, "gather": 4}
+    assert all(r["step_per_floor"] == r["step_ms"] / r["floor_ms"] for r in rows)
     assert "mixed precision" in proc.stdout and "bfloat16/bfloat16" in proc.stdout
