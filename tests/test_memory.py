@@ -79,7 +79,8 @@ def test_estimate_equals_the_optimizer(comm: MPI.Intracomm, layout: str) -> None
         for bucket_elems in BUCKETS:
             what = f"{layout}, W={size}, rank {rank}, stage {stage}, bucket_elems {bucket_elems}"
             opt = _optimizer(specs, comm, stage, bucket_elems)
-            est = estimate(specs, size, rank, stage, bucket_elems)
+            est = estimate(specs, size, rank, stage, bucket_elems,
+                           ranks_per_node=opt.nodes.size)  # fmt: skip
             if est["usage"] != opt.memory_usage():
                 problems.append(f"{what}: usage {est['usage']} != {opt.memory_usage()}")
             if list(est["buffers"].items()) != list(opt.memory_buffers().items()):
@@ -92,7 +93,8 @@ def test_estimate_equals_the_optimizer(comm: MPI.Intracomm, layout: str) -> None
                 )
             if stage == 2:  # opt.grads allocates the full gradient buffer on first use
                 opt.grads  # noqa: B018
-                full = estimate(specs, size, rank, stage, bucket_elems, full_grads=True)
+                full = estimate(specs, size, rank, stage, bucket_elems, full_grads=True,
+                                ranks_per_node=opt.nodes.size)  # fmt: skip
                 if full["buffers"] != opt.memory_buffers():
                     problems.append(
                         f"{what}: full_grads buffers {full['buffers']} != {opt.memory_buffers()}"
@@ -108,7 +110,7 @@ def test_estimate_with_group_of(comm: MPI.Intracomm) -> None:
     problems = []
     for stage in (2, 3):
         opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=8, group_of=str)
-        est = estimate(specs, size, rank, stage, 8, str)
+        est = estimate(specs, size, rank, stage, 8, str, ranks_per_node=opt.nodes.size)
         if est["buffers"] != opt.memory_buffers():
             problems.append(f"stage {stage}: {est['buffers']} != {opt.memory_buffers()}")
     assert_all(not problems, "\n".join(problems))
@@ -146,7 +148,7 @@ def test_exact_matches_the_paper_for_large_models(world: int, dtype: np.dtype) -
     params = 50_000_017
     specs = flat_specs(params, 1 << 20, dtype)  # 48 parameters, one per bucket
     for stage in STAGES:
-        est = estimate_max(specs, world, stage)
+        est = estimate_max(specs, world, stage, shared_memory=False)  # a copy per rank
         paper = paper_bytes({dtype: params}, world, stage)
         assert est["paper_bytes"] == paper
         sharded = (0, 2, 3, 4)[stage]
@@ -228,7 +230,8 @@ def test_estimate_rejects_bad_input(kwargs: dict[str, Any], error: type, match: 
 
 
 def test_main_in_process(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--mlp", "8,16,2,4", "--world", "3", "--stage", "2", "--per-rank"]) == 0
+    assert main(["--mlp", "8,16,2,4", "--world", "3", "--stage", "2", "--per-rank",
+                 "--no-shared-memory"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "MLP 8-16-16-4" in out and "paper formula" in out and "grad_bucket.float32" in out
     assert main(["--params", "100", "--world", "2", "--stage", "1", "--json"]) == 0
@@ -252,3 +255,73 @@ def test_cli_json() -> None:
     assert result["paper_bytes"] == 4_000_000.0
     assert result["usage"] == estimate_max(flat_specs(1_000_000, 1 << 22), 4, 3)["usage"]
     assert result["world_size"] == 4 and result["stage"] == 3
+
+
+def _nonzero(books: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {op: entry for op, entry in books.items() if any(entry.values())}
+
+
+@pytest.mark.parametrize("precision", [(None, None), ("bfloat16", "bfloat16")])
+def test_traffic_model_equals_the_books(comm: MPI.Intracomm, precision: tuple) -> None:
+    """The cost model's bytes per step (``estimate(...)["traffic"]``, within and
+    between nodes) are what the optimizer books in one step, to the byte, at every
+    stage, with node shared memory or without (run under ``ZEROMPI_NODE_SIZE`` too,
+    where the hierarchy crosses emulated nodes)."""
+    specs = LAYOUTS["tiny"] + [("z.w", (11,), F32)]
+    params = {name: np.ones(shape, dtype) for name, shape, dtype in specs}
+    size, rank = comm.Get_size(), comm.Get_rank()
+    p_dt, r_dt = precision
+    problems = []
+    for stage in STAGES:
+        for shared in (False, None):
+            opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=8,
+                                shared_memory=shared, param_dtype=p_dt, reduce_dtype=r_dt,
+                                loss_scale=1.0 if r_dt else None)  # fmt: skip
+            low = next(iter(opt.precisions.values())).reduce
+            grads = {n: np.full(p.shape, 0.125, low if p.dtype == F32 else p.dtype)
+                     for n, p in params.items()}  # fmt: skip
+            opt.comm.pop_traffic()
+            layers = [b.names for b in opt.layout.buckets]
+            for names in layers if stage == 3 else ():  # the forward, one bucket at a time
+                with opt.gathered(*names):
+                    pass
+            for names in reversed(layers):
+                with opt.gathered(*names), opt.gradients(*names) as g:
+                    for n in names:
+                        g[n][...] += grads[n]
+            opt.step()
+            got = _nonzero(opt.comm.pop_traffic())
+            est = estimate(specs, size, rank, stage, 8, shared_memory=opt.shared_memory,
+                           ranks_per_node=opt.nodes.size, param_dtype=p_dt,
+                           reduce_dtype=r_dt)  # fmt: skip
+            want = _nonzero(est["traffic"])
+            if got != want:
+                problems.append(f"stage {stage} shared {opt.shared_memory}: {got} != {want}")
+            opt.close()
+    assert_all(not problems, "\n".join(problems[:4]))
+
+
+def test_cost_model_per_node(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--nodes N --ranks-per-node L``: per-rank and per-node memory (a node-shared
+    copy once per node: the node's stage-2 parameters are the model's 4P bytes, not
+    4P x L) and the step's bytes between nodes, hierarchical against flat: the
+    hierarchy sends N - 1 pieces of 1/W of each bucket per rank where flat MPI
+    sends W - L."""
+    args = ["--params", "1200", "--bucket-elems", "400", "--stage", "2", "--json"]
+    assert main([*args, "--nodes", "3", "--ranks-per-node", "4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rank, node = data["max_over_ranks"], data["node"]
+    assert rank["world_size"] == 12 and rank["nodes"] == 3 and rank["shared_memory"]
+    assert node["parameter_partitions"] == 1200 * 4  # one copy per node
+    ours, flat = rank["traffic"]["reduce_scatter"], data["flat_traffic"]["reduce_scatter"]
+    # rank 0 owns 34 of each 400-element bucket (ceil 400/12): it receives the node sums
+    # of its shard from 2 other nodes; flat MPI, every rank of the 2 other nodes' (8).
+    assert ours["received_between"] == 3 * 2 * 34 * 4
+    assert flat["received_between"] == 3 * 8 * 34 * 4
+    assert main([*args, "--nodes", "1", "--ranks-per-node", "4"]) == 0
+    one = json.loads(capsys.readouterr().out)["max_over_ranks"]["traffic"]
+    assert all(e["sent_between"] == e["received_between"] == 0 for e in one.values())
+    for bad in (["--world", "5", "--nodes", "2"], ["--nodes", "2", "--ranks-per-node", "2",
+                                                    "--world", "6"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            main([*args, *bad])

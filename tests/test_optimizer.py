@@ -727,7 +727,8 @@ def test_memory_usage_is_exact(comm: MPI.Intracomm, mode: str) -> None:
     problems = []
     for bucket_elems in (1, 7, 1 << 22):
         what = f"bucket_elems={bucket_elems}"
-        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems)
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems,
+                            shared_memory=False)  # per-rank copies; node copies: test_stages
         want, bound = expected_usage(spec, comm.size, comm.rank, bucket_elems, stage)
         usage = opt.memory_usage()
         problems += [f"{what}: {p}" for p in usage_problems(usage, want, bound)]

@@ -10,7 +10,7 @@ that ranks on one node reduce through memory instead of messages.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -20,8 +20,10 @@ from .precision import Precision, is_half
 
 if TYPE_CHECKING:
     from .mpi.collectives import Comm
+    from .mpi.nodes import Nodes
     from .mpi.shm import SharedSegment
     from .partition import Layout
+    from .plan import StagePlan
 
 #: Byte alignment of every buffer: a cache line, and enough for any SIMD kernel.
 ALIGNMENT = 64
@@ -85,10 +87,17 @@ REDUCE_WINDOW = 2
 def buffer_plan(
     layout: Layout, stage: int, overlap: bool = True,
     precisions: Mapping[np.dtype, Precision] | None = None, shared_memory: bool = False,
+    region: Sequence[int] | None = None,
 ) -> list[PlannedBuffer]:  # fmt: skip
     """Every buffer a ``ZeroOptimizer`` of ``stage`` allocates at construction on the
     rank of ``layout``, in allocation order: the one description that the optimizer
-    allocates from and :mod:`zerompi.memory` estimates from.
+    allocates from and :mod:`zerompi.memory` estimates from. With ``shared_memory``
+    the parameters of stages 1-2 are one copy per node (``node_kinds`` of
+    :func:`zerompi.plan.stage_plan`), and stages 2-3 reduce within a node through
+    shared staging buckets; over several nodes ``region`` (the ranks whose shards
+    this rank sums within its node, :attr:`zerompi.mpi.nodes.Nodes.peers`) sizes
+    the buffer of those sums, one per staging slot, that the cross-node
+    reduce-scatter sends.
 
     Per master dtype ``M`` (the arrays' own), with ``P``/``R`` the parameter and
     reduce dtypes (:mod:`zerompi.precision`; ``M`` by default): the parameters the
@@ -129,6 +138,12 @@ def buffer_plan(
         else:
             add("grads", dtype, shard, "gradient_partitions")
             add("grad_bucket", r_dt, layout.max_bucket(dtype) * slots, "communication_buffers")
+            if shared_memory and region is not None and len(region) > 1:
+                widest = max(
+                    (sum(b.counts[r] for r in region) for b in layout.buckets if b.dtype == dtype),
+                    default=0,
+                )
+                add("grad_node", dtype, widest * slots, "communication_buffers")
         if is_half(r_dt) and not (shared_memory and stage >= 2):
             parts = (slots if stage >= 2 else REDUCE_WINDOW) * layout.world_size
             add("grad_recv", r_dt, parts * layout.max_part(dtype), "communication_buffers")
@@ -139,6 +154,28 @@ def buffer_plan(
             add(kind, dtype, local, "optimizer_states")
         add("scratch", dtype, min(BLOCK, max(local, 1)), "scratch")
     return plan
+
+
+#: A planned buffer, the node communicator it is shared over (``None``: private) and
+#: whether each rank has a part of it (else it is the node's one copy).
+Placed = tuple[PlannedBuffer, "Comm | None", bool]
+
+
+def placed_plan(
+    layout: Layout, stage: int, overlap: bool, precisions: Mapping[np.dtype, Precision],
+    plan: StagePlan, shared: bool, nodes: Nodes,
+) -> list[Placed]:  # fmt: skip
+    """:func:`buffer_plan` with where each buffer lives: in node shared memory (the
+    plan's ``shared_kinds``: a part per rank; ``node_kinds``: one copy per node) or
+    in this rank's own memory."""
+    region = nodes.peers if shared and nodes.count > 1 else None
+    bufs = buffer_plan(layout, stage, overlap, precisions, shared, region)
+    node = nodes.node if shared else None
+    return [
+        (b, node if b.kind in plan.shared_kinds + plan.node_kinds else None,
+         b.kind not in plan.node_kinds)
+        for b in bufs
+    ]  # fmt: skip
 
 
 def full_grads_plan(
@@ -176,7 +213,10 @@ class BufferPool:
     """Named flat buffers by category. ``usage()`` is the optimizer's memory."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, tuple[str, np.ndarray]] = {}
+        #: name -> (category, array, bytes counted for this rank: its share of a
+        #: node-shared array, else all of it)
+        self._buffers: dict[str, tuple[str, np.ndarray, int]] = {}
+        self._node_copies: dict[str, int] = {}
         #: Shared-memory segments by buffer name (released by :meth:`close`).
         self.segments: dict[str, SharedSegment] = {}
 
@@ -187,10 +227,13 @@ class BufferPool:
         dtype: np.dtype | type,
         category: str,
         shared: Comm | None = None,
+        per_rank: bool = True,
     ) -> np.ndarray:
         """Allocate a zero-filled buffer ``name`` of ``count`` elements; with
-        ``shared`` (collective), in a shared-memory segment over that communicator,
-        whose peers' parts are ``self.segments[name].peers``."""
+        ``shared`` (collective), in a shared-memory segment over that communicator
+        (the ranks of one node), whose peers' parts are ``self.segments[name].peers``;
+        with ``per_rank=False`` too, one array every rank of ``shared`` maps (the
+        node's one copy), of which :meth:`usage` counts this rank's share."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown buffer category {category!r}; expected one of {CATEGORIES}")
         if name in self._buffers:
@@ -198,12 +241,21 @@ class BufferPool:
         if shared is not None:
             from .mpi.shm import SharedSegment
 
-            segment = self.segments[name] = SharedSegment(shared, count, dtype, name)
+            segment = SharedSegment(shared, count, dtype, name, per_rank)
+            self.segments[name] = segment
             array = segment.local
         else:
             array = aligned_empty(count, dtype)
-        array.fill(0)  # touch every page now, so the memory is really held
-        self._buffers[name] = (category, array)
+        share = array.nbytes
+        if shared is not None and not per_rank:
+            # posix_fallocate gave zeroed pages, held already: no rank writes the
+            # node's copy here (that would race with another rank's first writes).
+            k, rank = shared.size, shared.rank
+            share = array.nbytes // k + (rank < array.nbytes % k)  # shares sum exactly
+            self._node_copies[name] = array.nbytes
+        else:
+            array.fill(0)  # touch every page now, so the memory is really held
+        self._buffers[name] = (category, array, share)
         return array
 
     def close(self) -> None:
@@ -219,15 +271,22 @@ class BufferPool:
         del self._buffers[name]
 
     def usage(self) -> dict[str, int]:
-        """Bytes held per category (every category present, zero if unused)."""
+        """Bytes held per category by this rank (every category present, zero if
+        unused): a node-shared buffer counts this rank's share, so the node's ranks'
+        figures add up to what the node holds."""
         totals: dict[str, int] = defaultdict(int)
-        for category, array in self._buffers.values():
-            totals[category] += array.nbytes
+        for category, _, share in self._buffers.values():
+            totals[category] += share
         return {category: totals[category] for category in CATEGORIES}
 
     def buffers(self) -> dict[str, int]:
-        """Bytes per named buffer, in allocation order."""
-        return {name: array.nbytes for name, (_, array) in self._buffers.items()}
+        """Bytes per named buffer counted for this rank (its share of a node-shared
+        one), in allocation order."""
+        return {name: share for name, (_, _, share) in self._buffers.items()}
+
+    def shared_bytes(self) -> dict[str, int]:
+        """Whole size of each node-shared buffer (one copy per node)."""
+        return dict(self._node_copies)
 
     def __contains__(self, name: str) -> bool:
         return name in self._buffers

@@ -4,18 +4,16 @@
   parameters stay sharded; ``opt.gathered`` gathers a layer when it is used);
 * :class:`MPIGather`: ``Iallgatherv`` of each bucket as soon as Adam has updated this
   rank's part of it, advanced between the Adam chunks of the next buckets;
-* :class:`SharedGather`: stage 2 in node shared memory: one fence, then each rank
-  copies the other ranks' parts of every bucket from their segments.
+* :class:`NodeGather`: stages 1-2 with one copy of the parameters per node: Adam
+  writes it in place; only the other nodes' parts are gathered, then one fence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
-import numpy as np
+from collections.abc import Sequence
 
 from .mpi.collectives import Comm, Pending
-from .mpi.shm import SharedSegment
+from .mpi.nodes import Nodes
 from .partition import Layout
 from .plan import Part
 
@@ -52,27 +50,50 @@ class MPIGather(NoGather):
         self.comm.wait_all(pending)
 
 
-class SharedGather(NoGather):
-    def __init__(
-        self, comm: Comm, layout: Layout, segments: Mapping[np.dtype, SharedSegment]
-    ) -> None:
-        self.comm = comm
-        self.layout = layout
-        self.segments = segments
+class NodeGather(NoGather):
+    """Stages 1-2 with one node-shared copy of the parameters: Adam wrote this rank's
+    part of it in place. Over several nodes the ranks of each local index gather
+    their shards across nodes (``Iallgatherv`` on the cross-node communicator,
+    started per bucket as Adam finishes it) straight into their node's copy; then
+    one node fence publishes the copy to every rank of the node."""
+
+    def __init__(self, comm: Comm, nodes: Nodes, layout: Layout, parts: Sequence[Part]) -> None:
+        self.comm, self.layout, self.node, self.cross = comm, layout, nodes.node, nodes.cross
+        self.itemsizes = [p.full_param.itemsize for p in parts]  # type: ignore[union-attr]
+        self.planned = []
+        if nodes.count > 1:
+            assert self.cross is not None
+            peers = nodes.peers
+            self.planned = [
+                self.cross.plan_allgatherv(  # type: ignore[arg-type]
+                    p.full_param, [b.counts[r] for r in peers], [b.displs[r] for r in peers],
+                    p.index,
+                )
+                for p, b in zip(parts, layout.buckets, strict=True)
+            ]
+        self.pending: list[Pending] = []
+
+    @property
+    def per_bucket(self) -> bool:
+        """Whether :meth:`started` must be called per bucket (gathers across nodes)."""
+        return bool(self.planned)
+
+    def started(self, index: int) -> None:
+        if self.planned:
+            self.pending.append(self.planned[index].start())
+
+    def progress(self) -> None:
+        if self.pending:
+            self.comm.progress(self.pending)
 
     def finish(self) -> None:
-        """Collective, blocking: the allgathers of every bucket without messages.
-        The next collective of the training loop keeps any rank from writing its part
-        again before every rank has copied it."""
+        """Collective: every bucket's cross-node gather done, then the node fence.
+        Recorded (and booked) as the ``Allgatherv`` of every bucket it replaces."""
+        pending, self.pending = self.pending, []
+        if pending:
+            self.cross.wait_all(pending)  # type: ignore[union-attr]
         comm, rank = self.comm, self.comm.rank
         for index, bucket in enumerate(self.layout.buckets):
             comm.record_shared("allgatherv", index, bucket.size)
-        comm.fence()  # every rank's part is written
-        for bucket in self.layout.buckets:
-            segment = self.segments[bucket.dtype]
-            local = segment.local
-            for r, peer in enumerate(segment.peers):
-                if r != rank and bucket.counts[r]:
-                    lo = bucket.start + bucket.displs[r]
-                    np.copyto(local[lo : lo + bucket.counts[r]], peer[lo : lo + bucket.counts[r]])
-            comm.count_allgather(bucket.size, bucket.counts[rank], local.itemsize)
+            comm.count_allgather(bucket.size, bucket.counts[rank], self.itemsizes[index])
+        self.node.fence()  # every rank of the node has written its part

@@ -16,6 +16,7 @@ import numpy as np
 
 from .adam import round_low
 from .mpi.collectives import Comm
+from .mpi.nodes import Nodes
 from .partition import Bucket, Deferred, Layout
 from .plan import Part
 
@@ -47,11 +48,13 @@ def initialize_by_bucket(
     parts: Sequence[Part],
     params: Mapping[str, np.ndarray | Deferred],
     bucket_view: Callable[[np.ndarray, Bucket, str], np.ndarray],
+    nodes: Nodes | None = None,
 ) -> None:
     """Collective: rank 0's initial values, one bucket at a time through a
     bucket-sized buffer of the master dtype (freed after), into each part's master
     (``part.param``: the whole bucket in stage 0, this rank's shard otherwise) and,
-    rounded, into the model's copy (``part.low``)."""
+    rounded, into the model's copy (``part.low``). With ``nodes`` the model's copy is
+    one per node: this rank writes its region of it, then the node fences."""
     temp = {d: np.zeros(layout.max_bucket(d), d) for d in layout.sizes}
     for i, (bucket, part) in enumerate(zip(layout.buckets, parts, strict=True)):
         buf = temp[bucket.dtype][: bucket.size]
@@ -59,8 +62,21 @@ def initialize_by_bucket(
         comm.bcast_inplace(buf, root=0, tag=i)
         mine = buf[slice(*bucket.local(comm.rank))]
         whole = part.param.shape[0] == bucket.size  # stage 0: Adam runs on everything
-        part.param[...] = buf if whole else mine
-        if part.full_param is not None and part.low is not None:
+        if nodes is not None:  # this rank's pieces of its node's copy
+            assert part.full_param is not None
+            for lo, hi in nodes.region(bucket.counts, bucket.displs):
+                if part.low is not None:
+                    round_low(buf[lo:hi], part.full_param[lo:hi])
+                else:
+                    part.full_param[lo:hi] = buf[lo:hi]
+            if part.low is not None:
+                part.param[...] = mine  # the master shard
+        elif part.full_param is not None and part.low is not None:
+            part.param[...] = buf if whole else mine
             round_low(buf, part.full_param)  # the model's copy of the whole bucket
-        elif part.low is not None:
-            round_low(part.param, part.low)  # stage 3: the shard it gathers from
+        else:
+            part.param[...] = buf if whole else mine
+            if part.low is not None:
+                round_low(part.param, part.low)  # stage 3: the shard it gathers from
+    if nodes is not None:
+        nodes.node.fence()

@@ -36,16 +36,17 @@ import numpy as np
 
 from .adam import AdamConfig, adam_step, grad_stats, sr_key
 from .arrays import FlatArrays, check_failure_settings, check_params
-from .buffers import OVERLAP_SLOTS, BufferPool, buffer_plan
-from .gather import MPIGather, NoGather, SharedGather
+from .buffers import OVERLAP_SLOTS, BufferPool, Placed, placed_plan
+from .gather import MPIGather, NodeGather, NoGather
 from .handover import HandOver
 from .initial import initialize, initialize_by_bucket
 from .mpi.agreement import CollectiveError, agree_step
 from .mpi.collectives import Comm
 from .mpi.launch import check_world, install_abort_hook
+from .mpi.nodes import nodes_of
 from .mpi.watchdog import resolve_timeout
 from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_layout
-from .plan import bucket_parts, runs, stage_plan
+from .plan import bucket_parts, choose_shared, runs, stage_plan
 from .precision import low_base, precision_settings
 from .reducer import FullReducer, StreamReducer
 from .state import PHASES, OptimizerState
@@ -114,7 +115,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         max_norm: float | None = None,
         nonfinite: str = "skip",
         overlap: bool = True,
-        shared_memory: bool = False,
+        shared_memory: bool | None = None,
         timeout: float | str | None = None,
         param_dtype: object = None,
         reduce_dtype: object = None,
@@ -143,7 +144,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
             self.max_norm = check_failure_settings(max_norm, nonfinite)
             self.nonfinite = nonfinite
             for name, flag in (("overlap", overlap), ("shared_memory", shared_memory)):
-                if not isinstance(flag, bool):
+                if not isinstance(flag, bool) and (name == "overlap" or flag is not None):
                     raise TypeError(f"{name} must be a bool, got {flag!r:.60}")
             seconds = resolve_timeout(timeout)
             self.precisions, self.scaler, dtypes = precision_settings(
@@ -174,9 +175,11 @@ class ZeroOptimizer(HandOver, OptimizerState):
         comm_.describe = self._describe
         self.stage = stage
         self.overlap = overlap
-        #: Whether stages 2-3 reduce through node shared memory (asked for with
-        #: shared_memory=True, and every rank on one node).
-        self.shared_memory = bool(shared_memory and stage >= 2 and comm_.single_node())
+        #: How the ranks sit on nodes (:mod:`zerompi.mpi.nodes`).
+        self.nodes = nodes_of(comm_)
+        #: Whether node shared memory is in use (:func:`zerompi.plan.choose_shared`).
+        self.shared_memory = choose_shared(
+            shared_memory, stage, comm_, self.nodes, lambda: self._plan_buffers(True))
         self.plan = stage_plan(stage, self.shared_memory)
         self._closed = False
         self.step_count = 0
@@ -200,36 +203,35 @@ class ZeroOptimizer(HandOver, OptimizerState):
         :mod:`zerompi.memory` estimates from; then the per-bucket views and the
         reducer and gatherer of this plan."""
         pool = self.pool = BufferPool()
-        layout, stage, comm = self.layout, self.stage, self.comm
+        layout, stage, comm, nodes = self.layout, self.stage, self.comm, self.nodes
         stores: dict[str, dict[np.dtype, np.ndarray]] = {}
-        plan = buffer_plan(layout, stage, self.overlap, self.precisions, self.shared_memory)
-        for buf in plan:
-            shared = comm if buf.kind in self.plan.shared_kinds else None
+        plan = self._plan_buffers(self.shared_memory)
+        for buf, shared, per_rank in plan:
             stores.setdefault(buf.kind, {})[buf.master] = pool.zeros(
-                buf.name, buf.count, buf.dtype, buf.category, shared=shared
+                buf.name, buf.count, buf.dtype, buf.category, shared, per_rank
             )
         self._stores = stores
         self._flat = stores["params"]  # full params (0-2) or shard (3)
         self._specs = {spec.name: spec for spec in layout.params}
         self.parts = bucket_parts(self.plan, layout, stores)
         low = any(p.low_params for p in self.precisions.values())
+        node_copy = bool(self.plan.node_kinds)  # one copy per node, that Adam writes
         if self.plan.full_params:
             views = {n: self._view(self._flat, n) for n in self._order}
             for view in views.values() if low else ():
                 view.flags.writeable = False  # a rounded copy: writing it would not stick
             self._params = FlatArrays(views, "parameter", read_only=low)
-        if self.plan.full_params and not low:
+        if self.plan.full_params and not low and not node_copy:
             initialize(comm, params, list(self._order), lambda name: views[name])
             for index, flat in enumerate(self._flat.values()):
                 comm.bcast_inplace(flat, root=0, tag=-2 - index)
-        else:
-            initialize_by_bucket(comm, layout, self.parts, params, self._bucket_view)
+        else:  # a node's ranks write their regions of its copy (then one fence)
+            initialize_by_bucket(comm, layout, self.parts, params, self._bucket_view,
+                                 nodes if node_copy else None)  # fmt: skip
         # One kernel call per run of buckets contiguous in memory, unless each
         # bucket's gather must start as soon as its part is updated.
-        merge = self.plan.gather != "allgatherv"
-        self._adam_runs = runs(
-            self.parts, ("param", "grad", "exp_avg", "exp_avg_sq", "low"), merge
-        )
+        merge = self.plan.gather == "none" or (self.plan.gather == "node" and nodes.count == 1)
+        self._adam_runs = runs(self.parts, ("param", "grad", "exp_avg", "exp_avg_sq", "low"), merge)
         #: Per run, the index of its first rounded element in its buffer: stochastic
         #: rounding's random stream (the same at every step's same position).
         lows = [a for k in ("params", "params_low") for a in stores.get(k, {}).values()]
@@ -247,27 +249,30 @@ class ZeroOptimizer(HandOver, OptimizerState):
                 recv=stores.get("grad_recv"),
             )  # fmt: skip
         else:
-            segments = {b.master: pool.segments[b.name] for b in plan if b.kind == "grad_bucket"} \
-                if self.plan.shared_memory else None  # fmt: skip
+            segments = {b.master: pool.segments[b.name] for b, *_ in plan
+                        if b.kind == "grad_bucket"} if self.plan.shared_kinds else None  # fmt: skip
             self.reducer = StreamReducer(
                 comm, layout, self.parts, stores["grad_bucket"],
                 OVERLAP_SLOTS if self.overlap else 1, segments,
                 self._full_grads if stage == 2 else None, stores.get("grad_recv"),
+                nodes, stores.get("grad_node"),
             )  # fmt: skip
         if self.plan.gather == "allgatherv":
             self.gatherer: NoGather = MPIGather(comm, layout, self.parts)
-        elif self.plan.gather == "shared":
-            segments = {b.master: pool.segments[b.name] for b in plan if b.kind == "params"}
-            self.gatherer = SharedGather(comm, layout, segments)
+        elif self.plan.gather == "node":
+            self.gatherer = NodeGather(comm, nodes, layout, self.parts)
         else:
             self.gatherer = NoGather()
+
+    def _plan_buffers(self, shared: bool) -> list[Placed]:
+        return placed_plan(self.layout, self.stage, self.overlap, self.precisions,
+                           stage_plan(self.stage, shared), shared, self.nodes)  # fmt: skip
 
     def _describe(self, index: int) -> str:
         """Bucket ``index`` in words, for error messages and the watchdog."""
         bucket = self.layout.buckets[index]
         names = ", ".join(bucket.names[:3]) + (", ..." if len(bucket.names) > 3 else "")
         return f"bucket {index} [{names}]"
-
 
     @property
     def loss_scale(self) -> float:

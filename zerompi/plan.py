@@ -20,14 +20,19 @@ views computed once, here, so a step does no per-bucket lookups.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .partition import Layout
+
+if TYPE_CHECKING:
+    from .buffers import PlannedBuffer
+    from .mpi.collectives import Comm
+    from .mpi.nodes import Nodes
 
 Store = Mapping[np.dtype, np.ndarray]
 
@@ -44,33 +49,72 @@ class StagePlan:
     full_grads: bool
     #: ``"allreduce"`` (stage 0) or ``"reduce_scatter"``.
     reduce: str
-    #: After Adam: ``"none"`` (0, and 3 which gathers on use), ``"allgatherv"`` (1,
-    #: and 2 over MPI) or ``"shared"`` (2 through node shared memory).
+    #: After Adam: ``"none"`` (0, and 3 which gathers on use), ``"allgatherv"`` (1-2
+    #: over MPI) or ``"node"`` (1-2 with one node-shared copy of the parameters:
+    #: Adam writes it in place, only other nodes' parts are gathered, by MPI).
     gather: str
-    #: Buffers that live in node shared memory.
+    #: Buffers in node shared memory, one part per rank that the node's ranks read
+    #: (stages 2-3's staging buckets: the reduction within a node reads them).
     shared_kinds: tuple[str, ...]
+    #: Buffers of which each node holds one copy that all its ranks map (stages
+    #: 1-2's parameters).
+    node_kinds: tuple[str, ...] = ()
 
     @property
     def shared_memory(self) -> bool:
-        return bool(self.shared_kinds)
+        return bool(self.shared_kinds or self.node_kinds)
 
 
 def stage_plan(stage: int, shared_memory: bool) -> StagePlan:
-    """The plan of ``stage``; ``shared_memory`` (stages 2-3, one node) moves the
-    staging buckets, and in stage 2 the parameters, into node shared memory."""
-    shared = shared_memory and stage >= 2
+    """The plan of ``stage``; ``shared_memory`` puts the parameters of stages 1-2
+    into one copy per node, and the staging buckets of stages 2-3 into node shared
+    memory, reduced within the node there and across nodes by MPI."""
+    shared = shared_memory and stage >= 1
     return StagePlan(
         stage=stage,
         full_params=stage <= 2,
         full_grads=stage <= 1,
         reduce="allreduce" if stage == 0 else "reduce_scatter",
-        gather={0: "none", 1: "allgatherv", 2: "shared" if shared else "allgatherv", 3: "none"}[
-            stage
-        ],
-        shared_kinds=(("grad_bucket", "params") if stage == 2 else ("grad_bucket",))
-        if shared
-        else (),
+        gather={0: "none", 1: "allgatherv", 2: "allgatherv", 3: "none"}[stage]
+        if not shared or stage == 3 else "node",
+        shared_kinds=("grad_bucket",) if shared and stage >= 2 else (),
+        node_kinds=("params",) if shared and stage <= 2 else (),
     )
+
+
+def choose_shared(
+    asked: bool | None, stage: int, comm: Comm, nodes: Nodes,
+    plan: Callable[[], Sequence[tuple[PlannedBuffer, Comm | None, bool]]],
+) -> bool:  # fmt: skip
+    """Collective: whether an optimizer of ``stage`` uses node shared memory.
+    ``asked``: ``False`` never; ``True`` wherever it can work (every node the same
+    number of ranks); ``None`` (the default) also needs more than one rank, a stage
+    above 0 and room in ``/dev/shm`` on every node for what ``plan()`` (the buffer
+    plan with shared memory, and where each buffer goes) puts there. Where it was
+    asked for or is the default and cannot be used, rank 0 prints one line saying
+    why, and the MPI collectives run instead."""
+    from .mpi.shm import segment_bytes, shm_dir, shm_free_bytes
+
+    if asked is False or stage == 0 or (asked is None and comm.size == 1):
+        return False
+    why = ""
+    if not nodes.uniform:
+        sizes = sorted({len(m) for m in nodes.members})
+        why = f"the nodes have different numbers of ranks ({sizes})"
+    elif asked is None:
+        need = sum(
+            segment_bytes(b.count, b.dtype, nodes.size if per_rank else 1)
+            for b, shared, per_rank in plan() if shared is not None
+        )  # fmt: skip
+        free = shm_free_bytes() if nodes.local == 0 else None
+        short = nodes.local == 0 and (free is None or free < need * 1.05 + (1 << 20))
+        if comm.max(int(short)):
+            why = (f"{shm_dir()} has too little room on some node (this job needs "
+                   f"{need / 2**20:.1f} MiB per node)")  # fmt: skip
+    if why and comm.rank == 0:
+        print(f"zerompi: not using node shared memory: {why}; the MPI collectives run "
+              "instead (shared_memory=False says so without this notice)", flush=True)  # fmt: skip
+    return not why
 
 
 class Part(NamedTuple):

@@ -23,6 +23,7 @@ import numpy as np
 from .adam import accumulate
 from .buffers import REDUCE_WINDOW
 from .mpi.collectives import Comm, Pending, Planned
+from .mpi.nodes import Nodes
 from .mpi.shm import SharedSegment
 from .partition import Bucket, Layout
 from .plan import Part
@@ -174,8 +175,14 @@ def _sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
 
 class StreamReducer:
     """Stages 2-3: gradients handed over bucket by bucket into ``slots`` staging
-    slots (``staging[dtype]``, ``slots`` buckets of the largest size of that dtype);
-    ``segments`` (node shared memory) makes the reduction read peers' slots."""
+    slots (``staging[dtype]``, ``slots`` buckets of the largest size of that dtype).
+
+    ``segments`` (node shared memory, one part per rank of ``nodes.node``) makes the
+    reduction hierarchical: after a node fence each rank sums its region (its own
+    shard with one node; over several, the shards of its local index on every node,
+    :class:`zerompi.mpi.nodes.Nodes`) straight from its node's staging slots, into
+    the shard (one node) or into ``node_sums`` (a slot-sized buffer per dtype) that
+    the cross-node communicator then reduce-scatters into the shard."""
 
     def __init__(
         self, comm: Comm, layout: Layout, parts: Sequence[Part],
@@ -183,12 +190,31 @@ class StreamReducer:
         segments: Mapping[np.dtype, SharedSegment] | None,
         make_full: Callable[[], Mapping[np.dtype, np.ndarray]] | None = None,
         recv: Mapping[np.dtype, np.ndarray] | None = None,
+        nodes: Nodes | None = None, node_sums: Mapping[np.dtype, np.ndarray] | None = None,
     ) -> None:  # fmt: skip
         self.comm = comm
         self.layout = layout
         self.parts = parts
         self.slots = slots
         self.segments = segments
+        self.nodes = nodes
+        #: Over several nodes, per slot and bucket: where this rank's region of the
+        #: node's sum goes (what the cross-node reduce-scatter sends), and per bucket
+        #: the (start, stop) pieces of that region and the cross-node counts.
+        self.node_views: list[list[np.ndarray]] = []
+        self.regions: list[list[tuple[int, int]]] = []
+        self.cross_counts: list[list[int]] = []
+        if segments is not None and nodes is not None and nodes.count > 1:
+            assert node_sums is not None
+            peers = nodes.peers
+            self.cross_counts = [[b.counts[r] for r in peers] for b in layout.buckets]
+            self.regions = [nodes.region(b.counts, b.displs) for b in layout.buckets]
+            wide = {d: a.shape[0] // slots for d, a in node_sums.items()}
+            self.node_views = [
+                [node_sums[b.dtype][s * wide[b.dtype] : s * wide[b.dtype] + sum(c)]
+                 for b, c in zip(layout.buckets, self.cross_counts, strict=True)]
+                for s in range(slots)
+            ]  # fmt: skip
         #: 16-bit gradients over MPI: per dtype, ``slots`` regions of every rank's part
         #: of a bucket (see :func:`zerompi.buffers.buffer_plan`).
         self.recv: Mapping[np.dtype, np.ndarray] = {}
@@ -294,8 +320,11 @@ class StreamReducer:
         add = self.reductions[index] > 0
         self.reductions[index] += 1
         if self.segments is not None and slot is not None:
-            self._shared_reduce(index, slot, shard, add)
-            return
+            if not self.node_views:  # one node: summed into the shard, done
+                self._shared_reduce(index, slot, shard, add)
+                return
+            buf = self.node_views[slot][index]
+            self._shared_reduce(index, slot, buf, False)  # then across nodes, by MPI
         row = self.planned[-1 if slot is None else slot]
         made = row[2 * index + add]
         if made is None:
@@ -311,6 +340,12 @@ class StreamReducer:
         """The prepared collective of bucket ``index`` from ``buf``: a reduce-scatter
         into the shard, or (16-bit gradients) an alltoallv of every rank's part."""
         bucket, comm = self.layout.buckets[index], self.comm
+        if self.node_views and slot is not None:  # the node sums, across nodes
+            cross = self.nodes.cross  # type: ignore[union-attr]
+            assert cross is not None
+            counts = self.cross_counts[index]
+            planned = cross.plan_reduce_scatter(buf, counts, None if add else shard, index)
+            return planned, _Reduction(index, planned.pending, add, slot)
         if bucket.dtype in self.recv:
             width = self.recv_width[bucket.dtype]
             lo = (slot or 0) * width
@@ -322,21 +357,28 @@ class StreamReducer:
         return planned, _Reduction(index, planned.pending, add, slot)
 
     def _shared_reduce(self, index: int, slot: int, out: np.ndarray, add: bool) -> None:
-        """Blocking: this rank sums its part of every rank's staging slot, in rank
-        order, into ``out`` after one fence (one more when there is a single slot,
-        before any rank may overwrite its slot)."""
+        """Blocking: this rank sums its region of every node rank's staging slot, in
+        rank order, into ``out`` after one node fence (one more when there is a single
+        slot, before any rank of the node may overwrite its slot)."""
         bucket = self.layout.buckets[index]
         segment = self.segments[bucket.dtype]  # type: ignore[index]
-        comm = self.comm
+        comm, node = self.comm, self.nodes.node  # type: ignore[union-attr]
         comm.record_shared("reduce_scatter", index, bucket.size)
-        comm.fence()  # every rank's bucket is written
-        mine = bucket.counts[comm.rank]
-        lo = self.offsets[slot][index] + bucket.displs[comm.rank]
-        parts = [peer[lo : lo + mine] for peer in segment.peers]
-        sum_parts(out, parts, add)
+        node.fence()  # every rank's bucket is written
+        base = self.offsets[slot][index]
+        if self.regions:
+            at = 0
+            for lo, hi in self.regions[index]:
+                parts = [peer[base + lo : base + hi] for peer in segment.peers]
+                sum_parts(out[at : at + hi - lo], parts, add)
+                at += hi - lo
+        else:
+            lo = base + bucket.displs[comm.rank]
+            parts = [peer[lo : lo + bucket.counts[comm.rank]] for peer in segment.peers]
+            sum_parts(out, parts, add)
         if self.slots == 1:
-            comm.fence()  # every rank has read this bucket
-        comm.count_reduce_scatter(bucket.size, mine, segment.local.itemsize)
+            node.fence()  # every rank has read this bucket
+        comm.count_reduce_scatter(bucket.size, bucket.counts[comm.rank], segment.local.itemsize)
 
     def _complete(self, upto: int) -> None:
         """Finish the ``upto`` oldest started reductions, in the order started."""

@@ -43,6 +43,7 @@ class OptimizerState:
     parts: list[Part]
     precisions: dict[np.dtype, Any]
     scaler: Any
+    gatherer: Any
 
     def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
         raise NotImplementedError
@@ -109,8 +110,7 @@ class OptimizerState:
     ) -> dict[str, np.ndarray]:
         """Full copies from ``shards`` (those of dtypes in ``whole`` are full already)."""
         full = {dtype: np.zeros(size, dtype) for dtype, size in self.layout.sizes.items()}
-        traffic, self.comm.traffic = self.comm.traffic, {}  # not training traffic
-        try:
+        with self.comm.untracked():  # not training traffic
             for index, bucket in enumerate(self.layout.buckets):
                 part = full[bucket.dtype][bucket.start : bucket.stop]
                 if bucket.dtype in whole:
@@ -118,8 +118,6 @@ class OptimizerState:
                     continue
                 part[slice(*bucket.local(self.comm.rank))] = shard_of(shards, self.layout, index)
                 self.comm.allgatherv_inplace(part, bucket.counts, bucket.displs, tag=index)
-        finally:
-            self.comm.traffic = traffic
         return {n: self._view(full, n) for n in self._order}
 
     # -- the state interface of checkpoints --------------------------------------
@@ -158,8 +156,7 @@ class OptimizerState:
         and discard accumulated gradients."""
         comm, masters = self.comm, self._masters()
         self._gathers_done(step=False)  # a stage-3 gather in flight still reads the shards
-        traffic, comm.traffic = comm.traffic, {}
-        try:
+        with comm.untracked():
             buckets = self.layout.buckets
             for index, (bucket, part) in enumerate(zip(buckets, self.parts, strict=True)):
                 whole = slice(bucket.start, bucket.stop)
@@ -170,12 +167,10 @@ class OptimizerState:
                         )
                 if part.low is not None:  # the model's rounded copy of what was loaded
                     round_low(part.param, part.low)
-                if self.stage in (1, 2):  # every rank's full copy of the parameters
-                    comm.allgatherv_inplace(
-                        part.full_param, bucket.counts, bucket.displs, tag=index
-                    )
-        finally:
-            comm.traffic = traffic
+                if self.stage in (1, 2):  # every rank's (or node's) full copy, as a step
+                    self.gatherer.started(index)
+            if self.stage in (1, 2):
+                self.gatherer.finish()
         self._discard()
 
     def set_counters(self, step: int, skipped_steps: int) -> None:

@@ -47,7 +47,9 @@ from ..partition import (
     default_group,
     optimizer_layout,
 )
+from ..plan import stage_plan
 from ..precision import Precision, precisions, resolve_dtype
+from .traffic import step_traffic
 
 #: (name, shape, dtype) of one parameter, in the model's order.
 Spec = tuple[str, tuple[int, ...], np.dtype]
@@ -123,15 +125,20 @@ def bytes_per_param(stage: int, precision: Precision) -> tuple[int, int]:
 
 def formula_bytes(
     params: Mapping[np.dtype, int], world_size: int, stage: int,
-    precisions: Mapping[np.dtype, Precision] | None = None,
+    precisions: Mapping[np.dtype, Precision] | None = None, node_ranks: int = 1,
 ) -> float:  # fmt: skip
     """Model-state bytes per rank by :func:`bytes_per_param` (real-valued: ``P/W``
-    unrounded); without ``precisions`` (one dtype throughout) the ZeRO paper's."""
+    unrounded); without ``precisions`` (one dtype throughout) the ZeRO paper's.
+    ``node_ranks``: the parameters of stages 1-2 are one copy per node of that many
+    ranks (node shared memory), of which a rank holds ``1/node_ranks``."""
     total = 0.0
     for dtype, count in params.items():
         dtype = np.dtype(dtype)
         prec = precisions[dtype] if precisions else Precision(dtype, dtype, dtype)
         replicated, sharded = bytes_per_param(stage, prec)
+        if stage in (1, 2) and node_ranks > 1:  # the node's one copy, shared out
+            replicated -= prec.param.itemsize
+            total += count * prec.param.itemsize / node_ranks
         total += count * (replicated + sharded / world_size)
     return total
 
@@ -148,7 +155,8 @@ def estimate(
     overlap: bool = True,
     param_dtype: object = None,
     reduce_dtype: object = None,
-    shared_memory: bool = False,
+    shared_memory: bool | None = None,
+    ranks_per_node: int | None = None,
 ) -> dict[str, Any]:
     """The memory of ``ZeroOptimizer`` on ``rank`` of ``world_size``, without MPI.
 
@@ -157,8 +165,12 @@ def estimate(
     arguments.
     ``full_grads`` adds the stage-2 full gradient buffer that ``opt.grads``
     allocates on first use (ignored in other stages, which allocate nothing there).
-    ``param_dtype``, ``reduce_dtype`` and ``shared_memory`` are the optimizer's too
-    (shared memory: whether stages 2-3 would really use it, every rank on one node).
+    ``param_dtype``, ``reduce_dtype`` and ``shared_memory`` are the optimizer's too;
+    ``ranks_per_node`` (default: every rank on one node) places consecutive groups
+    of that many ranks on one node, as ``ZEROMPI_NODE_SIZE`` does and launchers
+    usually do (``shared_memory`` then decides as the optimizer does, assuming
+    ``/dev/shm`` has room: :func:`uses_shared`). A node-shared buffer counts this
+    rank's share (so the node's ranks add up to the node's bytes).
 
     Returns a dict:
 
@@ -169,6 +181,9 @@ def estimate(
     * ``buffers_bytes``: everything else (staging / gather buckets, scratch);
     * ``total_bytes``: ``exact_bytes + buffers_bytes``, the sum of ``usage``;
     * ``paper_bytes``: the ZeRO paper's formula for the same model states (float);
+    * ``traffic``: bytes this rank moves in one step, per collective, and of them
+      what crosses a node boundary (:func:`zerompi.memory.traffic.step_traffic`:
+      ``opt.comm.pop_traffic()`` after one step, to the byte);
     * and ``world_size``, ``rank``, ``stage``, ``bucket_elems``, ``params``
       (elements), ``params_by_dtype``, ``buckets``, ``max_bucket_elems``.
     """
@@ -178,16 +193,23 @@ def estimate(
         list(layout.sizes), resolve_dtype(param_dtype, "param_dtype"),
         resolve_dtype(reduce_dtype, "reduce_dtype"),
     )  # fmt: skip
-    shared = shared_memory and stage >= 2
-    plan = buffer_plan(layout, stage, overlap, precs, shared)
+    per_node = ranks_per_node or world_size
+    shared = uses_shared(shared_memory, stage, world_size, per_node)
+    count, local, peers = node_of(world_size, rank, per_node)
+    plan = buffer_plan(layout, stage, overlap, precs, shared, peers if count > 1 else None)
     if full_grads and stage == 2:
         plan += full_grads_plan(layout, precs, shared)
+    node_kinds = stage_plan(stage, shared).node_kinds
     usage = dict.fromkeys(CATEGORIES, 0)
     buffers: dict[str, int] = {}
+    exact = 0
     for buf in plan:
-        usage[buf.category] += buf.nbytes
-        buffers[buf.name] = buf.nbytes
-    exact = sum(buf.nbytes for buf in plan if buf.kind in MODEL_STATES)
+        nbytes = buf.nbytes
+        if buf.kind in node_kinds:  # this rank's share of its node's copy
+            nbytes = nbytes // per_node + (local < nbytes % per_node)
+        usage[buf.category] += nbytes
+        buffers[buf.name] = nbytes
+        exact += nbytes if buf.kind in MODEL_STATES else 0
     total = sum(usage.values())
     return {
         "world_size": world_size,
@@ -196,6 +218,10 @@ def estimate(
         "bucket_elems": int(bucket_elems),
         "params": sum(layout.sizes.values()),
         "params_by_dtype": {dtype.name: size for dtype, size in layout.sizes.items()},
+        "shared_memory": shared,
+        "ranks_per_node": per_node,
+        "nodes": count,
+        "traffic": step_traffic(layout, stage, precs, shared, per_node),
         "buckets": len(layout.buckets),
         "max_bucket_elems": max(b.size for b in layout.buckets),
         "usage": usage,
@@ -204,10 +230,49 @@ def estimate(
         "buffers_bytes": total - exact,
         "total_bytes": total,
         "paper_bytes": paper_bytes(layout.sizes, world_size, stage),
-        "formula_bytes": formula_bytes(layout.sizes, world_size, stage, precs),
+        "formula_bytes": formula_bytes(
+            layout.sizes, world_size, stage, precs, per_node if shared else 1
+        ),
         "bytes_per_param": {d.name: bytes_per_param(stage, p) for d, p in precs.items()},
         "precision": {d.name: (p.param.name, p.reduce.name) for d, p in precs.items()},
     }
+
+
+def uses_shared(asked: bool | None, stage: int, world_size: int, ranks_per_node: int) -> bool:
+    """Whether an optimizer uses node shared memory (:func:`zerompi.plan.choose_shared`,
+    assuming room in ``/dev/shm``): not at stage 0, not when ``asked`` is ``False``,
+    by default only with more than one rank, and only with nodes of equal size."""
+    if asked is False or stage == 0 or (asked is None and world_size == 1):
+        return False
+    return world_size % ranks_per_node == 0
+
+
+def node_of(world_size: int, rank: int, ranks_per_node: int) -> tuple[int, int, list[int]]:
+    """``(nodes, local index, peers)`` of ``rank`` when consecutive groups of
+    ``ranks_per_node`` ranks are one node: the peers are the ranks with its local
+    index on every node (:attr:`zerompi.mpi.nodes.Nodes.peers`)."""
+    nodes = -(-world_size // ranks_per_node)
+    local = rank % ranks_per_node
+    peers = [n * ranks_per_node + local for n in range(nodes)]
+    peers = [r for r in peers if r < world_size]
+    return nodes, local, peers
+
+
+def estimate_node(
+    specs: Sequence[tuple[str, Sequence[int], Any]], world_size: int, node: int, stage: int,
+    bucket_elems: int = DEFAULT_BUCKET_ELEMS, group_of: Callable[[str], str] = default_group,
+    *, ranks_per_node: int | None = None, **options: Any,
+) -> dict[str, int]:  # fmt: skip
+    """Bytes per category that node ``node`` holds: the sum of :func:`estimate` over
+    its ranks (a node-shared buffer once)."""
+    per_node = ranks_per_node or world_size
+    total = dict.fromkeys(CATEGORIES, 0)
+    for rank in range(node * per_node, min((node + 1) * per_node, world_size)):
+        one = estimate(specs, world_size, rank, stage, bucket_elems, group_of,
+                       ranks_per_node=per_node, **options)  # fmt: skip
+        for cat, value in one["usage"].items():
+            total[cat] += value
+    return total
 
 
 def estimate_max(

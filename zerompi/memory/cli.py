@@ -13,7 +13,7 @@ from .. import mlp
 from ..buffers import CATEGORIES
 from ..partition import DEFAULT_BUCKET_ELEMS, STAGES
 from ..precision import NAMES
-from . import Spec, estimate, estimate_max, flat_specs, mlp_specs
+from . import Spec, estimate, estimate_max, estimate_node, flat_specs, mlp_specs
 
 
 def _positive(value: str) -> int:
@@ -85,7 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="exactly the MLP of 'python -m zerompi.driver --in-dim IN --hidden HIDDEN "
         "--depth DEPTH --classes CLASSES'",
     )
-    p.add_argument("--world", type=_positive, required=True, metavar="W", help="world size")
+    p.add_argument("--world", type=_positive, metavar="W",
+                   help="world size (default: --nodes x --ranks-per-node)")  # fmt: skip
+    p.add_argument("--nodes", type=_positive, metavar="N",
+                   help="nodes (default: W / --ranks-per-node, or 1)")  # fmt: skip
+    p.add_argument("--ranks-per-node", type=_positive, metavar="L",
+                   help="ranks per node, consecutive ones (default: W / N)")  # fmt: skip
     p.add_argument(
         "--stage", type=int, choices=STAGES, required=True, help="ZeRO stage (0: plain DP)"
     )
@@ -125,9 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--reduce-dtype", default=None, choices=NAMES,
         help="the optimizer's reduce_dtype: the gradients handed over and the reduction's wire",
     )  # fmt: skip
-    p.add_argument(
-        "--shared-memory", action="store_true",
-        help="stages 2-3 reduce through node shared memory (every rank on one node)",
+    shm = p.add_mutually_exclusive_group()
+    shm.add_argument(
+        "--shared-memory", dest="shared_memory", action="store_const", const=True,
+        help="the optimizer's shared_memory=True (default: its default, which uses node "
+        "shared memory with more than one rank at stages 1-3, assuming /dev/shm has room)",
+    )  # fmt: skip
+    shm.add_argument(
+        "--no-shared-memory", dest="shared_memory", action="store_const", const=False,
+        help="shared_memory=False: a copy of everything per rank, MPI collectives only",
     )  # fmt: skip
     p.add_argument("--per-rank", action="store_true", help="also give the figures of every rank")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -150,21 +161,32 @@ def _specs_from_args(args: argparse.Namespace) -> tuple[list[Spec], str]:
     return specs, f"{len(specs)} parameter(s) of <= {layer:,} elements"
 
 
-def _report(result: dict[str, Any], per_rank: list[dict[str, Any]] | None, model: str) -> str:
+def _report(
+    result: dict[str, Any], per_rank: list[dict[str, Any]] | None, model: str,
+    node: dict[str, int], flat: dict[str, dict[str, int]],
+) -> str:  # fmt: skip
     r = result
     lines = [
         f"zerompi.memory: {model}: {r['params']:,} params "
         f"({', '.join(r['params_by_dtype'])}) in {r['buckets']} bucket(s) "
-        f"(largest {r['max_bucket_elems']:,} elements), world size {r['world_size']}, "
-        f"stage {r['stage']}, bucket_elems {r['bucket_elems']:,}",
+        f"(largest {r['max_bucket_elems']:,} elements), world size {r['world_size']} "
+        f"({r['nodes']} node(s) of {r['ranks_per_node']} rank(s)), stage {r['stage']}, "
+        f"bucket_elems {r['bucket_elems']:,}, node shared memory "
+        f"{'on' if r['shared_memory'] else 'off'}",
         "",
-        "per rank, max over ranks:",
-        f"  {'category':<24}{'bytes':>16}{'MiB':>14}",
+        "per rank (max over ranks) and per node (node 0: the most):",
+        f"  {'category':<24}{'rank bytes':>16}{'MiB':>12}{'node bytes':>18}{'MiB':>12}",
     ]
     for category, count in r["usage"].items():
-        lines.append(f"  {category:<24}{count:>16,}{_mib(count):>14}")
-    lines.append(f"  {'total':<24}{r['total_bytes']:>16,}{_mib(r['total_bytes']):>14}")
-    same = all(p == (d, d) for d, p in r["precision"].items())
+        lines.append(f"  {category:<24}{count:>16,}{_mib(count):>12}"
+                     f"{node[category]:>18,}{_mib(node[category]):>12}")  # fmt: skip
+    node_total = sum(node.values())
+    lines.append(f"  {'total':<24}{r['total_bytes']:>16,}{_mib(r['total_bytes']):>12}"
+                 f"{node_total:>18,}{_mib(node_total):>12}")  # fmt: skip
+    lines += _traffic_lines(r["traffic"], flat)
+    same = all(p == (d, d) for d, p in r["precision"].items()) and not (
+        r["shared_memory"] and r["stage"] in (1, 2)  # the parameters: one copy per node
+    )
     formula = r["paper_bytes"] if same else r["formula_bytes"]
     label = "paper formula" if same else "formula"
     diff = r["exact_bytes"] - formula
@@ -177,7 +199,8 @@ def _report(result: dict[str, Any], per_rank: list[dict[str, Any]] | None, model
     lines += [
         "",
         "model states (parameters, gradients, 2 Adam moments) vs "
-        + ("the ZeRO paper:" if same else "the formula (master / param / reduce dtypes):"),
+        + ("the ZeRO paper:" if same else "the formula (master / param / reduce dtypes; "
+           "stages 1-2 with shared memory: 1/L of the node's parameter copy):"),
         f"  {per_param}",
         f"  {'exact':<24}{r['exact_bytes']:>16,}{_mib(r['exact_bytes']):>14}",
         f"  {label:<24}{formula:>16,.1f}{_mib(formula):>14}",
@@ -209,12 +232,47 @@ def _report(result: dict[str, Any], per_rank: list[dict[str, Any]] | None, model
     return "\n".join(lines)
 
 
+def _world(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int]:
+    """``(world size, ranks per node)`` from ``--world``, ``--nodes``, ``--ranks-per-node``."""
+    world, nodes, per = args.world, args.nodes, args.ranks_per_node
+    if world is None:
+        if nodes is None and per is None:
+            parser.error("give --world W, or --nodes N and --ranks-per-node L")
+        world = (nodes or 1) * (per or 1)
+    if per is None:
+        if world % (nodes or 1):
+            parser.error(f"--world {world} is not a multiple of --nodes {nodes}")
+        per = world // (nodes or 1)
+    if nodes is not None and nodes * per != world:
+        parser.error(f"--nodes {nodes} x --ranks-per-node {per} is not --world {world}")
+    if per > world:
+        parser.error(f"--ranks-per-node {per} is more than the world size {world}")
+    return world, per
+
+
+def _traffic_lines(books: dict[str, dict[str, int]], flat: dict[str, dict[str, int]]) -> list[str]:
+    """The step's bytes per rank (rank 0's), within and between nodes."""
+    lines = [
+        "",
+        "bytes per step, rank 0 (sent + received; one micro-batch, stage 3 gathering every "
+        "layer twice):",
+        f"  {'collective':<16}{'within node':>16}{'between nodes':>16}{'flat MPI between':>18}",
+    ]
+    for op, e in books.items():
+        total, cross = e["sent"] + e["received"], e["sent_between"] + e["received_between"]
+        f = flat.get(op, {})
+        flat_cross = f.get("sent_between", 0) + f.get("received_between", 0)
+        lines.append(f"  {op:<16}{total - cross:>16,}{cross:>16,}{flat_cross:>18,}")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m zerompi.memory``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.layer_elems is not None and args.params is None:
         parser.error("--layer-elems only applies to --params")
+    world, per_node = _world(parser, args)
     specs, model = _specs_from_args(args)
     options = {
         "bucket_elems": args.bucket_elems,
@@ -223,19 +281,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "param_dtype": args.param_dtype,
         "reduce_dtype": args.reduce_dtype,
         "shared_memory": args.shared_memory,
+        "ranks_per_node": per_node,
     }
-    result = estimate_max(specs, args.world, args.stage, **options)
+    result = estimate_max(specs, world, args.stage, **options)
+    node = estimate_node(specs, world, 0, args.stage, **options)
+    flat = estimate(specs, world, 0, args.stage, **{**options, "shared_memory": False})
     per_rank = None
     if args.per_rank:
-        per_rank = [
-            estimate(specs, args.world, r, args.stage, **options) for r in range(args.world)
-        ]
+        per_rank = [estimate(specs, world, r, args.stage, **options) for r in range(world)]
     if args.json:
-        out = {"model": model, "max_over_ranks": result}
+        out = {"model": model, "max_over_ranks": result, "node": node,
+               "flat_traffic": flat["traffic"]}  # fmt: skip
         if per_rank is not None:
             out["per_rank"] = per_rank
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print(_report(result, per_rank, model))
+        print(_report(result, per_rank, model, node, flat["traffic"]))
     return 0

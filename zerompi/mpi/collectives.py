@@ -16,7 +16,8 @@ fails the next step's agreement or ends with a diagnosis within its timeout.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from mpi4py import MPI
 from .agreement import OP_CODE, Agreement, CollectiveError, Fingerprint
 from .io import MPI_TYPES, FileIO
 from .launch import abort_world
+from .nodes import between_volume
 from .requests import Pending, Planned
 from .watchdog import WATCHDOG, resolve_timeout
 
@@ -86,6 +88,14 @@ class Comm(FileIO, Agreement):
         self.timeout = resolve_timeout(timeout)
         #: This node's heartbeat (:meth:`enable_heartbeat`), for the watchdog's report.
         self.heartbeat: Any = None
+        #: Of the traffic, the bytes that cross a node boundary, per op (same shape as
+        #: :attr:`traffic`), booked on the communicator that reports them
+        #: (:func:`.nodes.book_nodes`: the parent of a cross-node communicator).
+        self.between: dict[str, list[int]] = {}
+        self.books: Comm = self
+        #: Per rank, whether it is on another node than this one (``None``: all on
+        #: this node; :func:`.nodes.book_nodes`).
+        self.offnode: list[bool] | None = None
         if heartbeat:
             self.enable_heartbeat()
 
@@ -99,15 +109,37 @@ class Comm(FileIO, Agreement):
 
             self.heartbeat = make_heartbeat(self, OPS)
 
-    def _count(self, op: str, sent: int, received: int) -> None:
+    def _count(self, op: str, sent: int, received: int, between: tuple[int, int] = (0, 0)) -> None:
         entry = self.traffic.setdefault(op, [0, 0])
         entry[0] += sent
         entry[1] += received
+        if between[0] or between[1]:
+            entry = self.books.between.setdefault(op, [0, 0])
+            entry[0] += between[0]
+            entry[1] += between[1]
+
+    @contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Traffic inside the block is not booked (gathers for a checkpoint, a load:
+        not training traffic)."""
+        saved = self.traffic, self.between
+        self.traffic, self.between = {}, {}
+        try:
+            yield
+        finally:
+            self.traffic, self.between = saved
 
     def pop_traffic(self) -> dict[str, dict[str, int]]:
-        """``{op: {"sent": bytes, "received": bytes}}`` since the last call, and reset."""
-        out = {op: {"sent": s, "received": r} for op, (s, r) in self.traffic.items()}
-        self.traffic = {}
+        """``{op: {"sent": bytes, "received": bytes, "sent_between": bytes,
+        "received_between": bytes}}`` since the last call, and reset: what must leave
+        and reach this rank per collective, and (``_between``) of it what crosses a
+        node boundary (over a hierarchy, the cross-node step's bytes)."""
+        out: dict[str, dict[str, int]] = {}
+        for op in {**self.traffic, **self.between}:
+            s, r = self.traffic.get(op, (0, 0))
+            bs, br = self.between.get(op, (0, 0))
+            out[op] = {"sent": s, "received": r, "sent_between": bs, "received_between": br}
+        self.traffic, self.between = {}, {}
         return out
 
     def _start(self, code: int, tag: int, count: int) -> None:
@@ -137,9 +169,11 @@ class Comm(FileIO, Agreement):
             )
 
     def count_reduce_scatter(self, total: int, mine: int, itemsize: int) -> None:
+        """Book a reduce-scatter done without MPI (through node shared memory)."""
         self._count("reduce_scatter", (total - mine) * itemsize, (self.size - 1) * mine * itemsize)
 
     def count_allgather(self, total: int, mine: int, itemsize: int) -> None:
+        """Book an allgather done without MPI (through node shared memory)."""
         self._count("allgather", (self.size - 1) * mine * itemsize, (total - mine) * itemsize)
 
     def reduce_scatter_inplace(
@@ -185,6 +219,7 @@ class Comm(FileIO, Agreement):
             self, "reduce_scatter", _RS, tag, buf.shape[0], out,
             lambda: self.mpi.Ireduce_scatter(send, recv, recvcounts=recvcounts, op=MPI.SUM),
             (buf.shape[0] - mine) * size, (self.size - 1) * mine * size,
+            between=between_volume(self, "reduce_scatter", counts, size),
         )  # fmt: skip
 
     def plan_allgatherv(
@@ -213,6 +248,7 @@ class Comm(FileIO, Agreement):
             lambda: self.mpi.Iallgatherv(source, spec),
             (self.size - 1) * mine * size, (sum(counts) - mine) * size,
             lambda: self.mpi.Allgatherv(source, spec),
+            between=between_volume(self, "allgatherv", counts, size),
         )  # fmt: skip
 
     def plan_alltoallv(
@@ -239,7 +275,7 @@ class Comm(FileIO, Agreement):
             self, "alltoallv", _A2A, tag, buf.shape[0], typed,
             lambda: self.mpi.Ialltoallv(send_spec, recv_spec),
             (buf.shape[0] - mine) * size, (self.size - 1) * mine * size,
-            key="reduce_scatter",
+            key="reduce_scatter", between=between_volume(self, "reduce_scatter", counts, size),
         )  # fmt: skip
 
     def ireduce_scatter(
@@ -264,7 +300,8 @@ class Comm(FileIO, Agreement):
         seq = self.seq
         request = self.mpi.Iallreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM)
         volume = 2 * buf.nbytes * (self.size - 1) // self.size if self.size > 1 else 0
-        self._count("allreduce", volume, volume)
+        far = 2 * buf.nbytes * sum(self.offnode) // self.size if self.offnode else 0
+        self._count("allreduce", volume, volume, (far, far))
         return Pending(request, buf, self, "allreduce", seq, tag)
 
     def allreduce_inplace(self, buf: np.ndarray, tag: int = -1) -> None:
@@ -276,7 +313,8 @@ class Comm(FileIO, Agreement):
             lambda: self.mpi.Allreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM),
         )  # fmt: skip
         volume = 2 * buf.nbytes * (self.size - 1) // self.size if self.size > 1 else 0
-        self._count("allreduce", volume, volume)
+        far = 2 * buf.nbytes * sum(self.offnode) // self.size if self.offnode else 0
+        self._count("allreduce", volume, volume, (far, far))
 
     def bcast_inplace(self, buf: np.ndarray, root: int = 0, tag: int = -1) -> None:
         """Overwrite ``buf`` on every rank with root's contents."""
@@ -375,26 +413,6 @@ class Comm(FileIO, Agreement):
             lambda: self.mpi.Allreduce([send, MPI.UINT64_T], [out, MPI.UINT64_T], op=MPI.SUM),
         )  # fmt: skip
         return out
-
-    def single_node(self) -> bool:
-        """Collective: whether every rank of this communicator shares one node's
-        memory (MPI_COMM_TYPE_SHARED), so shared segments can span it.
-        ``ZEROMPI_NODE_SIZE=L`` makes consecutive groups of L ranks one "node"
-        (to test the multi-node fallback on one machine)."""
-        import os
-
-        forced = os.environ.get("ZEROMPI_NODE_SIZE", "").strip()
-        if forced.isdigit() and int(forced) > 0:  # node of a rank: world rank // L
-            nodes = self.allgather(MPI.COMM_WORLD.Get_rank() // int(forced))
-            return len(set(nodes)) == 1
-        from .shm import node_comm
-
-        node = node_comm(self)
-        try:
-            together = node.Get_size() == self.size
-        finally:
-            node.Free()
-        return bool(self.max(int(not together)) == 0)
 
     @staticmethod
     def abort(code: int = 1) -> None:

@@ -66,17 +66,20 @@ class Planned:
     per layer, so that a start costs the MPI call and the books, nothing more."""
 
     __slots__ = (
-        "blocking", "call", "calldesc", "comm", "key", "op", "pending", "received", "sent",
-        "tag", "token",
+        "between", "blocking", "call", "calldesc", "comm", "key", "op", "pending", "received",
+        "sent", "tag", "token",
     )  # fmt: skip
 
     def __init__(
         self, comm: Comm, op: str, code: int, tag: int, count: int, result: np.ndarray,
         call: Callable[[], MPI.Request], sent: int, received: int,
         blocking: Callable[[], None] | None = None, key: str | None = None,
+        between: tuple[int, int] = (0, 0),
     ) -> None:  # fmt: skip
         self.comm, self.op, self.tag, self.call, self.blocking = comm, op, tag, call, blocking
         self.sent, self.received = sent, received
+        #: (sent, received) bytes of it that cross a node boundary, or None
+        self.between = between if between[0] or between[1] else None
         self.calldesc = (code, tag, count)  # what the fingerprint records
         self.token = token(code, tag, count)
         #: the traffic books' name
@@ -95,6 +98,14 @@ class Planned:
             entry = comm.traffic[self.key] = [0, 0]
         entry[0] += self.sent
         entry[1] += self.received
+        between = self.between
+        if between is not None:  # booked where the parent reports it
+            books = comm.books.between
+            entry = books.get(self.key)
+            if entry is None:
+                entry = books[self.key] = [0, 0]
+            entry[0] += between[0]
+            entry[1] += between[1]
         return seq
 
     def start(self) -> Pending:

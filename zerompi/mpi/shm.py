@@ -39,6 +39,21 @@ def shm_dir() -> str:
     return os.environ.get(SHM_DIR_ENV, "/dev/shm")
 
 
+def shm_free_bytes() -> int | None:
+    """Bytes free for an unprivileged user in :func:`shm_dir` (``None``: no such
+    directory)."""
+    try:
+        st = os.statvfs(shm_dir())
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def segment_bytes(count: int, dtype: np.dtype, parts: int) -> int:
+    """What a :class:`SharedSegment` of ``parts`` parts of ``count`` elements takes."""
+    return _part_bytes(count, np.dtype(dtype)) * parts
+
+
 def node_comm(comm: Comm) -> MPI.Intracomm:
     """Collective (under the watchdog): the ranks of ``comm`` that share this node's
     memory, as a new MPI communicator the caller frees."""
@@ -51,14 +66,21 @@ def _part_bytes(count: int, dtype: np.dtype) -> int:
 
 class SharedSegment:
     """``count`` elements of ``dtype`` per rank of ``comm`` (every rank on one node):
-    ``local`` is this rank's part, ``peers[r]`` rank r's, all directly addressable.
+    ``local`` is this rank's part, ``peers[r]`` rank r's, all directly addressable;
+    with ``per_rank=False``, one array of ``count`` elements that every rank of
+    ``comm`` maps (``local`` is it, ``peers`` is ``[local]``): the node's one copy.
     Collective to create; :meth:`release` drops this object's references (the
     memory goes when the last view of it does)."""
 
-    def __init__(self, comm: Comm, count: int, dtype: np.dtype, label: str = "buf") -> None:
+    def __init__(
+        self, comm: Comm, count: int, dtype: np.dtype, label: str = "buf", per_rank: bool = True
+    ) -> None:
         dtype = np.dtype(dtype)
         part = _part_bytes(count, dtype)
-        total = part * comm.size
+        parts = comm.size if per_rank else 1
+        total = part * parts
+        #: How many ranks map each part: 1, or every rank of ``comm``.
+        self.sharers = 1 if per_rank else comm.size
         error: BaseException | None = None
         path = ""
         if comm.rank == 0:
@@ -96,9 +118,9 @@ class SharedSegment:
         self.nbytes = total
         self.peers = [
             np.frombuffer(mapping, dtype=dtype, count=count, offset=r * part)
-            for r in range(comm.size)
+            for r in range(parts)
         ]
-        self.local = self.peers[comm.rank]
+        self.local = self.peers[comm.rank if per_rank else 0]
 
     def release(self) -> None:
         """Drop this object's views; arrays handed out earlier stay valid."""

@@ -1,0 +1,186 @@
+"""Nodes: the node layout, one parameter copy per node, the hierarchical reduction,
+and when node shared memory is used by default.
+
+Every test runs on the ``comm`` fixture's communicators; ``scripts/test`` also runs
+the whole suite as two emulated nodes of two ranks (``ZEROMPI_NODE_SIZE=2``), where
+these checks (and every reference comparison of the suite) cross nodes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_all
+from mpi4py import MPI
+
+from zerompi import ZeroOptimizer
+from zerompi.mpi import shm
+from zerompi.mpi.collectives import Comm
+from zerompi.mpi.nodes import NODE_SIZE_ENV, nodes_of
+from zerompi.reference import ReferenceAdam
+
+F32 = np.dtype(np.float32)
+
+
+def _params(seed: int = 3) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)  # the same on every rank
+    return {
+        "a.w": rng.standard_normal((7, 3)).astype(np.float32),
+        "a.b": rng.standard_normal(3).astype(np.float32),
+        "b.w": rng.standard_normal(10).astype(np.float32),
+        "c.w": rng.standard_normal(2).astype(np.float64),
+    }
+
+
+@pytest.mark.parametrize("node_size", [None, 1, 2])
+def test_regions_cover_every_bucket_once(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch, node_size: int | None
+) -> None:
+    """The ranks of a node serve disjoint regions of every bucket that together are
+    the whole bucket: each element is summed within its node by exactly one rank and
+    sent across nodes by exactly that rank; a rank's region holds its own shard."""
+    if node_size is not None:
+        monkeypatch.setenv(NODE_SIZE_ENV, str(node_size))
+    wrapped = Comm(comm, timeout=0)
+    nodes = nodes_of(wrapped)
+    problems = []
+    if sorted(r for m in nodes.members for r in m) != list(range(comm.size)):
+        problems.append(f"members {nodes.members} are not the ranks 0..{comm.size - 1}")
+    opt = ZeroOptimizer(_params(), comm=comm, stage=2, bucket_elems=5, shared_memory=False)
+    mine = wrapped.allgather(
+        [nodes.region(b.counts, b.displs) if nodes.uniform else [] for b in opt.layout.buckets]
+    )
+    for index, bucket in enumerate(opt.layout.buckets if nodes.uniform else ()):
+        for node in nodes.members:
+            covered = np.zeros(bucket.size, int)
+            for r in node:
+                for lo, hi in mine[r][index]:
+                    covered[lo:hi] += 1
+            if not (covered == 1).all():
+                problems.append(f"bucket {index}, node {node}: covered {covered.tolist()}")
+        lo, hi = bucket.local(comm.rank)
+        if hi > lo and (lo, hi) not in mine[comm.rank][index]:
+            problems.append(f"bucket {index}: own shard {(lo, hi)} not in the region")
+    assert_all(not problems, "\n".join(problems[:5]))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_parameter_copy_per_node(comm: MPI.Intracomm, stage: int) -> None:
+    """Stages 1-2 with node shared memory (the default with more than one rank): the
+    parameters are one copy per node, which every rank of the node maps (a write by
+    one rank is what the others read) and whose bytes ``memory_usage()`` shares out
+    (the node's ranks add up to the model's bytes once), and which training updates
+    as the reference."""
+    params = _params()
+    total = sum(p.nbytes for p in params.values())
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=6, lr=0.1)
+    nodes, problems = opt.nodes, []
+    if opt.shared_memory != (comm.size > 1 and nodes.uniform):
+        problems.append(f"shared_memory {opt.shared_memory} with {nodes}")
+    node = nodes.node.mpi
+    if opt.shared_memory:
+        share = node.allreduce(opt.memory_usage()["parameter_partitions"])
+        if share != total:
+            problems.append(f"the node holds {share} bytes of parameters, want {total}")
+        if nodes.local == 0:
+            opt.params["b.w"][...] = 42.0
+        node.Barrier()
+        if not (opt.params["b.w"] == 42.0).all():
+            problems.append(f"local rank {nodes.local} does not see the node copy's write")
+        node.Barrier()
+        opt.params["b.w"] = params["b.w"]  # every rank: the same values back
+        node.Barrier()
+    ref = ReferenceAdam(params, lr=0.1)
+    for step in range(2):
+        grads = {n: np.full(p.shape, 0.125 * (step + 1), p.dtype) for n, p in params.items()}
+        for name in params:
+            with opt.gradients(name) as g:
+                g[name][...] += grads[name]
+        opt.step()
+        ref.step(grads)
+    for name in params:
+        if not np.array_equal(opt.params[name], ref.params[name]):
+            problems.append(f"{name}: {opt.params[name].ravel()[:3]} != reference")
+    assert_all(not problems, "\n".join(problems[:5]))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_results_are_the_same_run_to_run(comm: MPI.Intracomm, stage: int) -> None:
+    """At a given layout (ranks, nodes), training twice from the same start gives
+    bit-identical parameters, with gradients whose sums round (the order of the
+    hierarchy's sums is fixed)."""
+
+    def train() -> dict[str, np.ndarray]:
+        params = _params(5)
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=6, lr=0.01)
+        rng = np.random.default_rng(100 + comm.rank)
+        for _ in range(3):
+            for name in reversed(list(params)):
+                with opt.gathered(name), opt.gradients(name) as g:
+                    g[name][...] += rng.standard_normal(params[name].shape)
+            opt.step()
+        out = opt.full_params()
+        opt.close()
+        return out
+
+    first, second = train(), train()
+    same = all(np.array_equal(first[n], second[n]) for n in first)
+    assert_all(same, "two identical runs differ")
+
+
+def test_uneven_nodes_fall_back_with_a_notice(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nodes with different numbers of ranks: the MPI collectives, and rank 0 says why
+    in one line (not a hang, not an error); the result is the reference's."""
+    monkeypatch.setenv(NODE_SIZE_ENV, "2")
+    groups = Comm(comm, timeout=0).allgather(MPI.COMM_WORLD.Get_rank() // 2)
+    uneven = len({groups.count(g) for g in set(groups)}) > 1
+    params = _params()
+    opt = ZeroOptimizer(params, comm=comm, stage=2, lr=0.1)
+    out = capsys.readouterr().out
+    problems = []
+    if opt.shared_memory != (not uneven and comm.size > 1):
+        problems.append(f"shared_memory {opt.shared_memory}, uneven nodes {uneven}")
+    said = "not using node shared memory: the nodes have different numbers" in out
+    if said != (uneven and comm.rank == 0):
+        problems.append(f"notice {said!r} on rank {comm.rank}: {out!r}")
+    assert_all(not problems, "\n".join(problems))
+
+
+def test_no_room_in_dev_shm_falls_back_by_default(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Too little room in ``/dev/shm`` (containers often cap it at 64 MiB): by default
+    the MPI collectives and one notice naming the directory and the bytes needed;
+    ``shared_memory=True`` insists (and would fail with a clear error if the room
+    really were missing); ``shared_memory=False`` says nothing."""
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: 4096)
+    params = _params()
+    default = ZeroOptimizer(params, comm=comm, stage=2)
+    said = capsys.readouterr().out
+    insisted = ZeroOptimizer(params, comm=comm, stage=2, shared_memory=True)
+    capsys.readouterr()  # (uneven nodes: a notice again)
+    off = ZeroOptimizer(params, comm=comm, stage=2, shared_memory=False)
+    quiet = capsys.readouterr().out
+    problems = []
+    if default.shared_memory or off.shared_memory:
+        problems.append("shared memory in use without room, or when refused")
+    if insisted.shared_memory != insisted.nodes.uniform:
+        problems.append("shared_memory=True did not insist")
+    expected = comm.size > 1 and comm.rank == 0
+    why = "too little room" if default.nodes.uniform else "different numbers of ranks"
+    if ("not using node shared memory" in said and why in said) != expected:
+        problems.append(f"notice on rank {comm.rank}: {said!r}")
+    if quiet:
+        problems.append(f"unexpected output {quiet!r}")
+    assert_all(not problems, "\n".join(problems))
+
+
+def test_stage_0_and_one_rank_share_nothing_by_default(comm: MPI.Intracomm) -> None:
+    """Stage 0 (plain data parallelism) never uses node shared memory, and by default
+    neither does a single rank (there is nothing to share)."""
+    params = _params()
+    zero = ZeroOptimizer(params, comm=comm, stage=0)
+    alone = ZeroOptimizer(params, comm=MPI.COMM_SELF, stage=2)
+    assert_all(not zero.shared_memory and not alone.shared_memory, "shared memory in use")

@@ -1,0 +1,90 @@
+"""Bytes one optimizer step moves per rank, within and between nodes, without MPI.
+
+The same books as :meth:`zerompi.mpi.collectives.Comm.pop_traffic` keeps, computed
+from the layout: per collective ``sent``/``received`` is the algorithm-independent
+volume (what must leave and reach the rank: ``(W-1)/W`` of a bucket, averaged over
+ranks), and ``sent_between``/``received_between`` the part of it that crosses a node
+boundary. Flat collectives exchange with every rank of other nodes; over node shared
+memory (stages 1-3 with ``shared_memory``) nothing moves between the ranks of a node
+and only the cross-node step crosses: the node's sums of this rank's region
+(reduction, in the master dtype) and this rank's shard to the other nodes (gather),
+``N - 1`` pieces of ``1/W`` of a bucket instead of ``W - L``.
+
+One step of one micro-batch, whose model enters every stage-3 layer twice (forward
+and backward: two gathers per bucket, as ``python -m zerompi.bench`` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..partition import Layout
+from ..precision import Precision, is_half
+
+Books = dict[str, dict[str, int]]
+
+
+def _book(books: Books, op: str, sent: int, received: int, between: tuple[int, int]) -> None:
+    entry = books.setdefault(
+        op, {"sent": 0, "received": 0, "sent_between": 0, "received_between": 0}
+    )
+    entry["sent"] += sent
+    entry["received"] += received
+    entry["sent_between"] += between[0]
+    entry["received_between"] += between[1]
+
+
+def step_traffic(
+    layout: Layout, stage: int, precisions: Mapping[np.dtype, Precision],
+    shared: bool, ranks_per_node: int,
+) -> Books:  # fmt: skip
+    """The traffic books of rank ``layout.rank`` after one step (see the module
+    docstring); consecutive groups of ``ranks_per_node`` ranks are one node."""
+    rank, world, per = layout.rank, layout.world_size, ranks_per_node
+    node, local = rank // per, rank % per
+    off = [q // per != node for q in range(world)]
+    far = sum(off)
+    nodes = -(-world // per)
+    peers = [n * per + local for n in range(nodes) if n * per + local < world]
+    books: Books = {}
+
+    def between(op: str, counts: list[int], it: int) -> tuple[int, int]:
+        mine = counts[rank]
+        theirs = sum(c for c, o in zip(counts, off, strict=True) if o)
+        if op == "allgatherv":
+            return far * mine * it, theirs * it
+        return theirs * it, far * mine * it
+
+    for bucket in layout.buckets:
+        prec = precisions[bucket.dtype]
+        m, p, r = prec.master.itemsize, prec.param.itemsize, prec.reduce.itemsize
+        counts, size = list(bucket.counts), bucket.size
+        mine = counts[rank]
+        region = sum(counts[q] for q in peers)
+        rs_textbook = ((size - mine) * r, (world - 1) * mine * r)
+        ag_textbook = ((world - 1) * mine * p, (size - mine) * p)
+        # -- the reduction
+        if stage == 0 and not is_half(prec.reduce):  # an Allreduce of the bucket
+            volume = 2 * size * r * (world - 1) // world if world > 1 else 0
+            cross = 2 * size * r * far // world
+            _book(books, "allreduce", volume, volume, (cross, cross))
+        elif shared and stage >= 2:  # within the node by memory, then across nodes
+            hier = ((region - mine) * m, (nodes - 1) * mine * m) if nodes > 1 else (0, 0)
+            _book(books, "reduce_scatter", *rs_textbook, hier)
+        else:  # a world reduce-scatter (or its 16-bit alltoallv)
+            _book(books, "reduce_scatter", *rs_textbook, between("reduce_scatter", counts, r))
+        if stage == 0 and is_half(prec.reduce):  # the reduced shards gathered back
+            _book(books, "allgather", (world - 1) * mine * m, (size - mine) * m,
+                  between("allgatherv", counts, m))  # fmt: skip
+        # -- the gather
+        if stage in (1, 2) and shared:  # other nodes' shards into the node's copy
+            hier = ((nodes - 1) * mine * p, (region - mine) * p) if nodes > 1 else (0, 0)
+            _book(books, "allgather", *ag_textbook, hier)
+        elif stage in (1, 2):
+            _book(books, "allgather", *ag_textbook, between("allgatherv", counts, p))
+        elif stage == 3:  # forward and backward
+            for _ in range(2):
+                _book(books, "allgather", *ag_textbook, between("allgatherv", counts, p))
+    return books
