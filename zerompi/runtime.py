@@ -206,6 +206,21 @@ def current_rss_bytes() -> int:
         return max_rss_bytes()
 
 
+def pss_bytes() -> int:
+    """This process's proportional set size now: its private pages plus its share of
+    each shared page (Linux ``/proc/self/smaps_rollup``; elsewhere the resident set
+    size). Summed over a node's ranks it counts a node-shared copy once, which RSS
+    would count once per rank."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return current_rss_bytes()
+
+
 def format_bytes(count: float) -> str:
     """``1536`` -> ``"1.5 KiB"``: four significant digits, binary units."""
     for unit in ("B", "KiB", "MiB"):

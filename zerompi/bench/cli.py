@@ -119,8 +119,9 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
     p.add_argument(
         "--no-shared-memory",
         action="store_true",
-        help="stages 2-3 reduce through MPI messages, not the optimizer's shared-memory "
-        "window (shared_memory=True, used when every rank is on one node)",
+        help="shared_memory=False: MPI collectives only (by default the optimizer's "
+        "shared_memory=True: stages 1-2 keep one parameter copy per node, stages 2-3 "
+        "reduce within a node through shared memory)",
     )
     p.add_argument(
         "--dtype", choices=("float32", "float64"), default="float32", help="dtype of everything"

@@ -169,6 +169,8 @@ def bench_stage(
         "tensors": len(sizes),
         "buckets": buckets,
         "shared_memory": shared,
+        # stages 1-2 over node shared memory: one parameter copy per node, no gather copy
+        "node_shared": bool(shared and stage in (1, 2)),
         "step_ms": slowest_median_ms(comm, step_s),
         "phase_ms": phase_ms,
         "wall_ms": slowest_median_ms(comm, wall_s),

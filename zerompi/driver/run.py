@@ -14,6 +14,7 @@ from ..runtime import (
     current_rss_bytes,
     format_bytes,
     max_rss_bytes,
+    pss_bytes,
     write_json,
 )
 from . import training
@@ -30,9 +31,15 @@ def run(args: argparse.Namespace, comm: Comm, rss_floor: int | None = None) -> i
         training.warm_up(comm, args)
         if rss_floor is None:
             rss_floor = current_rss_bytes()
+        pss_floor = pss_bytes()
         wall = clock()
         opt, results = training.train(args, comm)
         results["shared_memory"] = opt.shared_memory
+        # What a node holds, counting node-shared pages once: the largest over nodes
+        # of the sum over its ranks of their proportional set sizes, now and before.
+        node = opt.nodes.node
+        results["node_pss_bytes"] = int(comm.max(node.sum(pss_bytes())))
+        results["node_pss_floor_bytes"] = int(comm.max(node.sum(pss_floor)))
         results["train_wall_s"] = comm.max(clock() - wall)
         results["rss_floor_bytes"] = int(comm.max(rss_floor))
         results["rss_peak_bytes"] = int(comm.max(max_rss_bytes()))  # before --verify
@@ -87,7 +94,10 @@ def summary(r: dict[str, Any], check: dict[str, Any] | None) -> str:
         f"  median phase ms: {phases}",
         f"  sent per step and rank (mean over ranks): "
         f"{format_bytes(sum(r['comm_bytes'].values()))} ({traffic or 'nothing'}); "
-        f"textbook {format_bytes(r['comm_bytes_theory'])} for one micro-batch",
+        f"textbook {format_bytes(r['comm_bytes_theory'])} for one micro-batch; "
+        f"between nodes {format_bytes(sum(r['comm_bytes_between_nodes'].values()))} "
+        f"({r['nodes'][0]} node(s) of {r['nodes'][1]} rank(s), node shared memory "
+        f"{'on' if r.get('shared_memory') else 'off'})",
         f"  optimizer memory per rank (max over ranks): {total}: {memory}",
         f"  peak RSS per rank (max over ranks): {format_bytes(r['rss_peak_bytes'])}, of "
         f"which {format_bytes(r['rss_floor_bytes'])} before the model was built",

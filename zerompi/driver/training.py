@@ -257,6 +257,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
     scales = np.zeros(n)  # the loss scale each step used
     phase_s = {phase: np.zeros(n) for phase in PHASES}
     sent = {op: np.zeros(n, np.int64) for op in COMM_OPS}
+    between = {op: np.zeros(n, np.int64) for op in COMM_OPS}  # of it, across nodes
     rss_trace: list[list[int]] = []  # [step, max current RSS over ranks] when logging
     comm.pop_traffic()  # count training traffic only
     comm.barrier()  # start the clocks together
@@ -286,6 +287,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         traffic = comm.pop_traffic()
         for op in COMM_OPS:
             sent[op][i] = traffic.get(op, {}).get("sent", 0)
+            between[op][i] = traffic.get(op, {}).get("sent_between", 0)
         losses[i] = comm.sum(local_loss) / args.batch
         logged = step % args.log_every == 0 or step == args.steps - 1
         if logged:  # the same steps on every rank: this is a collective
@@ -311,6 +313,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         for name, nbytes in rank_buffers.items():
             buffers[name] = max(buffers.get(name, 0), nbytes)
     step_sent = {op: _median(sent[op]) for op in COMM_OPS}
+    step_between = {op: _median(between[op]) for op in COMM_OPS}
     itemsize = dtype.itemsize
     results: dict[str, Any] = {
         "world_size": world,
@@ -342,6 +345,8 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         # Bytes sent per step and collective: mean over ranks, and the busiest rank.
         "comm_bytes": {op: comm.sum(v) / world for op, v in step_sent.items()},
         "comm_bytes_max": {op: int(comm.max(v)) for op, v in step_sent.items()},
+        "comm_bytes_between_nodes": {op: comm.sum(v) / world for op, v in step_between.items()},
+        "nodes": [opt.nodes.count, opt.nodes.size],
         "comm_bytes_theory": comm_theory(args, params, world),
         "param_dtype": args.param_dtype or args.dtype,
         "reduce_dtype": args.reduce_dtype or args.dtype,
