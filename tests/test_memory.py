@@ -177,8 +177,13 @@ def test_paper_formula_by_stage() -> None:
 
 def test_known_figures() -> None:
     """1M float32 parameters in one bucket at W=4, stage 3: a quarter of each array,
-    two buckets of staging and two of gathering (overlap), one scratch block."""
-    est = estimate(flat_specs(1_000_000, 1 << 22), 4, 3, 3)
+    two buckets of staging and two of gathering (overlap), one scratch block; on one
+    node with shared memory (the default), a quarter of the node's parameter copy and
+    no gathering buffers instead."""
+    est = estimate(flat_specs(1_000_000, 1 << 22), 4, 3, 3, shared_memory=False)
+    node = estimate(flat_specs(1_000_000, 1 << 22), 4, 3, 3)
+    flat = {k: v for k, v in est["buffers"].items() if k != "param_bucket.float32"}
+    assert node["buffers"] == flat
     assert est["buffers"] == {
         "params.float32": 1_000_000,
         "grads.float32": 1_000_000,

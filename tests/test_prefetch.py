@@ -70,7 +70,8 @@ def test_prefetch_matches_blocking_gathers(comm: MPI.Intracomm, order: str) -> N
     size, rank = comm.Get_size(), comm.Get_rank()
     runs, problems = {}, []
     for overlap in (True, False):
-        opt = ZeroOptimizer(params(), comm=comm, stage=3, bucket_elems=1, overlap=overlap, **HYPER)
+        opt = ZeroOptimizer(params(), comm=comm, stage=3, bucket_elems=1, overlap=overlap,
+                            shared_memory=False, **HYPER)  # the gathers (one node reads in place)
         ahead = [one_step(opt, rank, step, *ORDERS[order](step)) for step in range(4)]
         runs[overlap] = opt.full_params()
         if overlap:
@@ -103,7 +104,8 @@ def test_step_load_and_close_with_a_gather_in_flight(
     rank = comm.Get_rank()
     results = {}
     for overlap in (True, False):
-        opt = ZeroOptimizer(params(), comm=comm, stage=3, bucket_elems=1, overlap=overlap, **HYPER)
+        opt = ZeroOptimizer(params(), comm=comm, stage=3, bucket_elems=1, overlap=overlap,
+                            shared_memory=False, **HYPER)  # the gathers (one node reads in place)
         one_step(opt, rank, 0, LAYERS, LAYERS[::-1])
         one_step(opt, rank, 1, LAYERS, LAYERS[:1:-1])  # l3, l2 only: l1 prefetched at step()
         with opt.gathered("l0"):
@@ -124,8 +126,8 @@ def test_step_load_and_close_with_a_gather_in_flight(
 
 def test_two_gather_buffers_with_overlap() -> None:
     """Each gather buffer holds the largest layer (l3.w: 8 float32 elements)."""
-    opt = ZeroOptimizer(params(), stage=3, bucket_elems=1)
-    single = ZeroOptimizer(params(), stage=3, bucket_elems=1, overlap=False)
+    opt = ZeroOptimizer(params(), stage=3, bucket_elems=1, shared_memory=False)
+    single = ZeroOptimizer(params(), stage=3, bucket_elems=1, overlap=False, shared_memory=False)
     assert opt.memory_buffers()["param_bucket.float32"] == 2 * 4 * 8
     assert single.memory_buffers()["param_bucket.float32"] == 4 * 8
 
@@ -133,6 +135,6 @@ def test_two_gather_buffers_with_overlap() -> None:
 def test_small_layers_are_not_prefetched(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below the threshold a gather is not worth starting ahead: none is in flight."""
     monkeypatch.setattr(zerompi.prefetch, "PREFETCH_MIN_ELEMS", 9)  # l3.w has 8
-    opt = ZeroOptimizer(params(), stage=3, bucket_elems=1)
+    opt = ZeroOptimizer(params(), stage=3, bucket_elems=1, shared_memory=False)
     ahead = [one_step(opt, 0, step, LAYERS, LAYERS[::-1]) for step in range(2)]
     assert not any(ahead[1])

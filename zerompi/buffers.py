@@ -92,8 +92,9 @@ def buffer_plan(
     """Every buffer a ``ZeroOptimizer`` of ``stage`` allocates at construction on the
     rank of ``layout``, in allocation order: the one description that the optimizer
     allocates from and :mod:`zerompi.memory` estimates from. With ``shared_memory``
-    the parameters of stages 1-2 are one copy per node (``node_kinds`` of
-    :func:`zerompi.plan.stage_plan`), and stages 2-3 reduce within a node through
+    the parameters of stages 1-2 (and of stage 3 on one node, ``region`` ``None``)
+    are one copy per node (``node_kinds`` of :func:`zerompi.plan.stage_plan`), and
+    stages 2-3 reduce within a node through
     shared staging buckets; over several nodes ``region`` (the ranks whose shards
     this rank sums within its node, :attr:`zerompi.mpi.nodes.Nodes.peers`) sizes
     the buffer of those sums, one per staging slot, that the cross-node
@@ -113,6 +114,9 @@ def buffer_plan(
     otherwise) and the Adam kernel's scratch block.
     """
     plan: list[PlannedBuffer] = []
+    # Stage 3 shards the parameters, except on one node with shared memory (no region
+    # across nodes): there the node's one copy is what the shards would add up to.
+    sharded = stage == 3 and not (shared_memory and region is None)
     for dtype, size in layout.sizes.items():
         prec = precisions[dtype] if precisions else Precision(dtype, dtype, dtype)
         p_dt, r_dt = prec.param, prec.reduce
@@ -123,7 +127,7 @@ def buffer_plan(
         def add(kind: str, dt: np.dtype, count: int, category: str, g: np.dtype = dtype) -> None:
             plan.append(PlannedBuffer(kind, dt, count, category, g))
 
-        if stage == 3:
+        if sharded:
             add("params", dtype, shard, "parameter_partitions")
             if prec.low_params:
                 add("params_low", p_dt, shard, "parameter_partitions")
@@ -147,7 +151,7 @@ def buffer_plan(
         if is_half(r_dt) and not (shared_memory and stage >= 2):
             parts = (slots if stage >= 2 else REDUCE_WINDOW) * layout.world_size
             add("grad_recv", r_dt, parts * layout.max_part(dtype), "communication_buffers")
-        if stage == 3:
+        if sharded:
             add("param_bucket", p_dt, layout.max_bucket(dtype) * gather_slots(overlap),
                 "communication_buffers")  # fmt: skip
         for kind in ("exp_avg", "exp_avg_sq"):

@@ -148,8 +148,8 @@ class HandOver:
     @property
     def params(self) -> FlatArrays:
         """Name -> full parameter (a view into the flat buffer). Stages 0-2 only."""
-        if not self.plan.full_params:
-            raise AttributeError(
+        if self.stage == 3:  # (on one node they are the node's copy: still read them
+            raise AttributeError(  # by layer, as on any number of nodes)
                 "stage 3 keeps only parameter shards: read parameters inside "
                 "`with opt.gathered(names) as p`, or copy them all with opt.full_params()"
             )
@@ -201,7 +201,7 @@ class HandOver:
         if self._closed:
             self._live("gathered")
         index, resolved, whole = self._lookup(names, "gathered")
-        if self.plan.full_params:
+        if self.stage < 3:
             return Block({n: self._params[n] for n in resolved})
         if self._gathered is not None:
             raise RuntimeError(
@@ -210,6 +210,12 @@ class HandOver:
             )
         if index < 0:
             self._single_bucket(resolved, "gathered")  # raises: one bucket at a time
+        if self.plan.full_params:  # one node: its copy, in place (the same rules apply,
+            # and the read is recorded as the gather it replaces: ranks that read
+            # different layers fail the step alike on one node or many)
+            self.comm.record_shared("allgatherv", index, self.layout.buckets[index].size)
+            self._gathered = (index, 0)
+            return Block({n: self._params[n] for n in resolved}, always=self._release_gathered)
         layers = self.layers
         assert layers is not None
         start = time.perf_counter()

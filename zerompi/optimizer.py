@@ -175,12 +175,11 @@ class ZeroOptimizer(HandOver, OptimizerState):
         comm_.describe = self._describe
         self.stage = stage
         self.overlap = overlap
-        #: How the ranks sit on nodes (:mod:`zerompi.mpi.nodes`).
-        self.nodes = nodes_of(comm_)
+        self.nodes = nodes_of(comm_)  # how the ranks sit on nodes (:mod:`zerompi.mpi.nodes`)
         #: Whether node shared memory is in use (:func:`zerompi.plan.choose_shared`).
         self.shared_memory = choose_shared(
             shared_memory, stage, comm_, self.nodes, lambda: self._plan_buffers(True))
-        self.plan = stage_plan(stage, self.shared_memory)
+        self.plan = stage_plan(stage, self.shared_memory, self.nodes.count == 1)
         self._closed = False
         self.step_count = 0
         #: Steps skipped because the averaged gradient was not finite.
@@ -265,8 +264,9 @@ class ZeroOptimizer(HandOver, OptimizerState):
             self.gatherer = NoGather()
 
     def _plan_buffers(self, shared: bool) -> list[Placed]:
-        return placed_plan(self.layout, self.stage, self.overlap, self.precisions,
-                           stage_plan(self.stage, shared), shared, self.nodes)  # fmt: skip
+        nodes, stage = self.nodes, self.stage
+        plan = stage_plan(stage, shared, nodes.count == 1)
+        return placed_plan(self.layout, stage, self.overlap, self.precisions, plan, shared, nodes)
 
     def _describe(self, index: int) -> str:
         """Bucket ``index`` in words, for error messages and the watchdog."""

@@ -65,20 +65,23 @@ class StagePlan:
         return bool(self.shared_kinds or self.node_kinds)
 
 
-def stage_plan(stage: int, shared_memory: bool) -> StagePlan:
+def stage_plan(stage: int, shared_memory: bool, one_node: bool = False) -> StagePlan:
     """The plan of ``stage``; ``shared_memory`` puts the parameters of stages 1-2
     into one copy per node, and the staging buckets of stages 2-3 into node shared
-    memory, reduced within the node there and across nodes by MPI."""
+    memory, reduced within the node there and across nodes by MPI. Stage 3 on
+    ``one_node`` keeps that one copy too: the node's ranks' shards together are the
+    whole model, so the node holds what it would hold sharded, and a layer is read
+    in place instead of gathered."""
     shared = shared_memory and stage >= 1
+    node_copy = shared and (stage <= 2 or one_node)
     return StagePlan(
         stage=stage,
-        full_params=stage <= 2,
+        full_params=stage <= 2 or node_copy,
         full_grads=stage <= 1,
         reduce="allreduce" if stage == 0 else "reduce_scatter",
-        gather={0: "none", 1: "allgatherv", 2: "allgatherv", 3: "none"}[stage]
-        if not shared or stage == 3 else "node",
+        gather="node" if node_copy else ("none" if stage in (0, 3) else "allgatherv"),
         shared_kinds=("grad_bucket",) if shared and stage >= 2 else (),
-        node_kinds=("params",) if shared and stage <= 2 else (),
+        node_kinds=("params",) if node_copy else (),
     )
 
 

@@ -167,9 +167,9 @@ class OptimizerState:
                         )
                 if part.low is not None:  # the model's rounded copy of what was loaded
                     round_low(part.param, part.low)
-                if self.stage in (1, 2):  # every rank's (or node's) full copy, as a step
+                if self.stage > 0 and self.plan.full_params:  # the full copies, as a step
                     self.gatherer.started(index)
-            if self.stage in (1, 2):
+            if self.stage > 0 and self.plan.full_params:
                 self.gatherer.finish()
         self._discard()
 

@@ -115,6 +115,7 @@ def bench_stage(
         low = next(iter(opt.precisions.values())).reduce
         grads = {name: g.astype(low) for name, g in grads.items()}
     shared = opt.shared_memory
+    node_shared = bool(opt.plan.node_kinds)
     names = list(grads)
     step_s: list[float] = []
     wall_s: list[float] = []
@@ -169,8 +170,9 @@ def bench_stage(
         "tensors": len(sizes),
         "buckets": buckets,
         "shared_memory": shared,
-        # stages 1-2 over node shared memory: one parameter copy per node, no gather copy
-        "node_shared": bool(shared and stage in (1, 2)),
+        # one parameter copy per node (stages 1-2 with shared memory, and stage 3 on one
+        # node): Adam writes it in place, no gather copy
+        "node_shared": node_shared,
         "step_ms": slowest_median_ms(comm, step_s),
         "phase_ms": phase_ms,
         "wall_ms": slowest_median_ms(comm, wall_s),

@@ -41,16 +41,18 @@ COMM_OPS = ("reduce_scatter", "allgather", "allreduce")
 COMM_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}
 
 
-def comm_theory(args: argparse.Namespace, params: int, world: int) -> float:
+def comm_theory(args: argparse.Namespace, params: int, world: int, layers: bool = True) -> float:
     """Bytes every rank sends per step without accumulation: every parameter's bytes
     on each wire, times (W-1)/W (:data:`COMM_FACTOR` in one dtype; with
     ``--param-dtype``/``--reduce-dtype``, the reduction in the reduce dtype and the
     gathers in the parameter dtype; stage 0's 16-bit reduction gathers the reduced
-    shards in the master dtype)."""
+    shards in the master dtype). ``layers``: stage 3 gathers every layer twice (else,
+    on one node with shared memory, it publishes the node's copy once, as stage 2)."""
     m = np.dtype(args.dtype).itemsize
     p = 2 if args.param_dtype else m
     r = 2 if args.reduce_dtype else m
-    per = {0: r + (m if args.reduce_dtype else r), 1: r + p, 2: r + p, 3: r + 2 * p}
+    per = {0: r + (m if args.reduce_dtype else r), 1: r + p, 2: r + p,
+           3: r + 2 * p if layers else r + p}  # fmt: skip
     return per[args.stage] * params * (world - 1) / world
 
 
@@ -347,7 +349,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         "comm_bytes_max": {op: int(comm.max(v)) for op, v in step_sent.items()},
         "comm_bytes_between_nodes": {op: comm.sum(v) / world for op, v in step_between.items()},
         "nodes": [opt.nodes.count, opt.nodes.size],
-        "comm_bytes_theory": comm_theory(args, params, world),
+        "comm_bytes_theory": comm_theory(args, params, world, not opt.plan.full_params),
         "param_dtype": args.param_dtype or args.dtype,
         "reduce_dtype": args.reduce_dtype or args.dtype,
         "loss_scales": scales.tolist(),

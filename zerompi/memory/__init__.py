@@ -199,7 +199,7 @@ def estimate(
     plan = buffer_plan(layout, stage, overlap, precs, shared, peers if count > 1 else None)
     if full_grads and stage == 2:
         plan += full_grads_plan(layout, precs, shared)
-    node_kinds = stage_plan(stage, shared).node_kinds
+    node_kinds = stage_plan(stage, shared, count == 1).node_kinds
     usage = dict.fromkeys(CATEGORIES, 0)
     buffers: dict[str, int] = {}
     exact = 0

@@ -255,7 +255,7 @@ def _traffic_lines(books: dict[str, dict[str, int]], flat: dict[str, dict[str, i
     lines = [
         "",
         "bytes per step, rank 0 (sent + received; one micro-batch, stage 3 gathering every "
-        "layer twice):",
+        "layer twice, except on one node with shared memory):",
         f"  {'collective':<16}{'within node':>16}{'between nodes':>16}{'flat MPI between':>18}",
     ]
     for op, e in books.items():

@@ -11,7 +11,9 @@ and only the cross-node step crosses: the node's sums of this rank's region
 ``N - 1`` pieces of ``1/W`` of a bucket instead of ``W - L``.
 
 One step of one micro-batch, whose model enters every stage-3 layer twice (forward
-and backward: two gathers per bucket, as ``python -m zerompi.bench`` does).
+and backward: two gathers per bucket, as ``python -m zerompi.bench`` does; none on
+one node with shared memory, where stage 3 reads the node's copy in place and the
+step publishes it as stages 1-2 do).
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def step_traffic(
             _book(books, "allgather", (world - 1) * mine * m, (size - mine) * m,
                   between("allgatherv", counts, m))  # fmt: skip
         # -- the gather
-        if stage in (1, 2) and shared:  # other nodes' shards into the node's copy
+        if shared and (stage in (1, 2) or (stage == 3 and nodes == 1)):  # the node's copy:
+            # other nodes' shards into it (stage 3 on one node reads it in place)
             hier = ((nodes - 1) * mine * p, (region - mine) * p) if nodes > 1 else (0, 0)
             _book(books, "allgather", *ag_textbook, hier)
         elif stage in (1, 2):
