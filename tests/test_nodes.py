@@ -177,10 +177,17 @@ def test_no_room_in_dev_shm_falls_back_by_default(
     assert_all(not problems, "\n".join(problems))
 
 
-def test_stage_0_and_one_rank_share_nothing_by_default(comm: MPI.Intracomm) -> None:
+def test_stage_0_and_one_rank_share_nothing_by_default(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Stage 0 (plain data parallelism) never uses node shared memory, and by default
-    neither does a single rank (there is nothing to share)."""
+    neither does a single rank nor one rank per node (there is nothing to share);
+    ``shared_memory=True`` still takes the hierarchical path there."""
     params = _params()
     zero = ZeroOptimizer(params, comm=comm, stage=0)
     alone = ZeroOptimizer(params, comm=MPI.COMM_SELF, stage=2)
-    assert_all(not zero.shared_memory and not alone.shared_memory, "shared memory in use")
+    monkeypatch.setenv(NODE_SIZE_ENV, "1")
+    spread = ZeroOptimizer(params, comm=comm, stage=2)
+    insisted = ZeroOptimizer(params, comm=comm, stage=2, shared_memory=True)
+    ok = not (zero.shared_memory or alone.shared_memory or spread.shared_memory)
+    assert_all(ok and insisted.shared_memory, "shared memory in use, or not where insisted")

@@ -91,8 +91,8 @@ def choose_shared(
 ) -> bool:  # fmt: skip
     """Collective: whether an optimizer of ``stage`` uses node shared memory.
     ``asked``: ``False`` never; ``True`` wherever it can work (every node the same
-    number of ranks); ``None`` (the default) also needs more than one rank, a stage
-    above 0 and room in ``/dev/shm`` on every node for what ``plan()`` (the buffer
+    number of ranks); ``None`` (the default) also needs more than one rank per node,
+    a stage above 0 and room in ``/dev/shm`` on every node for what ``plan()`` (the buffer
     plan with shared memory, and where each buffer goes) puts there. Where it was
     asked for or is the default and cannot be used, rank 0 prints one line saying
     why, and the MPI collectives run instead."""
@@ -100,6 +100,8 @@ def choose_shared(
 
     if asked is False or stage == 0 or (asked is None and comm.size == 1):
         return False
+    if asked is None and nodes.uniform and nodes.size == 1:
+        return False  # one rank per node: nothing to share (and no notice needed)
     why = ""
     if not nodes.uniform:
         sizes = sorted({len(m) for m in nodes.members})

@@ -241,8 +241,9 @@ def estimate(
 def uses_shared(asked: bool | None, stage: int, world_size: int, ranks_per_node: int) -> bool:
     """Whether an optimizer uses node shared memory (:func:`zerompi.plan.choose_shared`,
     assuming room in ``/dev/shm``): not at stage 0, not when ``asked`` is ``False``,
-    by default only with more than one rank, and only with nodes of equal size."""
-    if asked is False or stage == 0 or (asked is None and world_size == 1):
+    by default only with more than one rank per node, and only with nodes of equal
+    size."""
+    if asked is False or stage == 0 or (asked is None and min(world_size, ranks_per_node) == 1):
         return False
     return world_size % ranks_per_node == 0
 
