@@ -191,3 +191,32 @@ def test_stage_0_and_one_rank_share_nothing_by_default(
     insisted = ZeroOptimizer(params, comm=comm, stage=2, shared_memory=True)
     ok = not (zero.shared_memory or alone.shared_memory or spread.shared_memory)
     assert_all(ok and insisted.shared_memory, "shared memory in use, or not where insisted")
+
+
+def test_a_bad_node_size_is_an_error_on_every_rank(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ZEROMPI_NODE_SIZE`` that is not a positive integer, or that differs between
+    ranks (they would split into different nodes and wait in different collectives):
+    a clear error on every rank, naming the value, not a hang."""
+    from zerompi.mpi.agreement import CollectiveError
+
+    problems = []
+    for value, error, match in (("0", ValueError, "positive integer, got '0'"),
+                                ("two", ValueError, "got 'two'")):  # fmt: skip
+        monkeypatch.setenv(NODE_SIZE_ENV, value)
+        try:
+            ZeroOptimizer(_params(), comm=comm, stage=2)
+            problems.append(f"{value!r}: no error")
+        except error as exc:
+            if match not in str(exc):
+                problems.append(f"{value!r}: {exc}")
+    if comm.size > 1:
+        monkeypatch.setenv(NODE_SIZE_ENV, "1" if comm.rank == 0 else "2")
+        try:
+            ZeroOptimizer(_params(), comm=comm, stage=2)
+            problems.append("node sizes that differ: no error")
+        except CollectiveError as exc:
+            if "ZEROMPI_NODE_SIZE differs between ranks" not in str(exc):
+                problems.append(f"differing node sizes: {exc}")
+    assert_all(not problems, "\n".join(problems))

@@ -125,7 +125,14 @@ def nodes_of(comm: Comm) -> Nodes:
     if cached is None:
         cached = {}
         comm.mpi.Set_attr(_KEYVAL, cached)
-    key = forced_node_size()
+    key: int | None = None
+    error: BaseException | None = None
+    try:
+        key = forced_node_size()
+    except ValueError as exc:
+        error = exc
+    comm.agree(error)  # a bad $ZEROMPI_NODE_SIZE on any rank: an error on every rank
+    comm.check_same(key, f"${NODE_SIZE_ENV}")  # else the ranks would split differently
     nodes = cached.get(key)
     if nodes is None:
         nodes = cached[key] = Nodes(comm)
