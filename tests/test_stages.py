@@ -571,7 +571,7 @@ def test_memory_usage_per_stage(comm: MPI.Intracomm, stage: int, dtype: np.dtype
     for bucket_elems, overlap in cases:
         opt = ZeroOptimizer(
             params, comm=comm, stage=stage, bucket_elems=bucket_elems, overlap=overlap,
-            shared_memory=False,  # per-rank copies (node copies: test_node_copies)
+            shared_memory=False,  # per-rank copies (node copies: tests/test_nodes.py)
         )
         buckets = bucket_sizes(spec, bucket_elems, stage)[dtype]
         slots = 2 if overlap else 1

@@ -203,6 +203,12 @@ def full_grads_plan(
     return plan
 
 
+def node_share(nbytes: int, ranks: int, local: int) -> int:
+    """The bytes of a node's one copy of ``nbytes`` counted for its rank ``local`` of
+    ``ranks``: the shares of a node's ranks add up to ``nbytes`` exactly."""
+    return nbytes // ranks + (local < nbytes % ranks)
+
+
 def aligned_empty(count: int, dtype: np.dtype | type) -> np.ndarray:
     """An uninitialised 1-D array of ``count`` elements whose data starts on an
     ``ALIGNMENT``-byte boundary."""
@@ -220,7 +226,6 @@ class BufferPool:
         #: name -> (category, array, bytes counted for this rank: its share of a
         #: node-shared array, else all of it)
         self._buffers: dict[str, tuple[str, np.ndarray, int]] = {}
-        self._node_copies: dict[str, int] = {}
         #: Shared-memory segments by buffer name (released by :meth:`close`).
         self.segments: dict[str, SharedSegment] = {}
 
@@ -254,9 +259,7 @@ class BufferPool:
         if shared is not None and not per_rank:
             # posix_fallocate gave zeroed pages, held already: no rank writes the
             # node's copy here (that would race with another rank's first writes).
-            k, rank = shared.size, shared.rank
-            share = array.nbytes // k + (rank < array.nbytes % k)  # shares sum exactly
-            self._node_copies[name] = array.nbytes
+            share = node_share(array.nbytes, shared.size, shared.rank)
         else:
             array.fill(0)  # touch every page now, so the memory is really held
         self._buffers[name] = (category, array, share)
@@ -287,10 +290,6 @@ class BufferPool:
         """Bytes per named buffer counted for this rank (its share of a node-shared
         one), in allocation order."""
         return {name: share for name, (_, _, share) in self._buffers.items()}
-
-    def shared_bytes(self) -> dict[str, int]:
-        """Whole size of each node-shared buffer (one copy per node)."""
-        return dict(self._node_copies)
 
     def __contains__(self, name: str) -> bool:
         return name in self._buffers

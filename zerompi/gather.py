@@ -4,7 +4,7 @@
   parameters stay sharded; ``opt.gathered`` gathers a layer when it is used);
 * :class:`MPIGather`: ``Iallgatherv`` of each bucket as soon as Adam has updated this
   rank's part of it, advanced between the Adam chunks of the next buckets;
-* :class:`NodeGather`: stages 1-2 with one copy of the parameters per node: Adam
+* :class:`NodeGather`: stages 1-2 (3 on one node) with one copy of the parameters per node: Adam
   writes it in place; only the other nodes' parts are gathered, then one fence.
 """
 
@@ -51,7 +51,8 @@ class MPIGather(NoGather):
 
 
 class NodeGather(NoGather):
-    """Stages 1-2 with one node-shared copy of the parameters: Adam wrote this rank's
+    """Stages 1-2 (and 3 on one node) with one node-shared copy of the parameters:
+    Adam wrote this rank's
     part of it in place. Over several nodes the ranks of each local index gather
     their shards across nodes (``Iallgatherv`` on the cross-node communicator,
     started per bucket as Adam finishes it) straight into their node's copy; then
@@ -72,11 +73,6 @@ class NodeGather(NoGather):
                 for p, b in zip(parts, layout.buckets, strict=True)
             ]
         self.pending: list[Pending] = []
-
-    @property
-    def per_bucket(self) -> bool:
-        """Whether :meth:`started` must be called per bucket (gathers across nodes)."""
-        return bool(self.planned)
 
     def started(self, index: int) -> None:
         if self.planned:

@@ -62,21 +62,20 @@ def initialize_by_bucket(
         comm.bcast_inplace(buf, root=0, tag=i)
         mine = buf[slice(*bucket.local(comm.rank))]
         whole = part.param.shape[0] == bucket.size  # stage 0: Adam runs on everything
-        if nodes is not None:  # this rank's pieces of its node's copy
+        if nodes is not None:  # this rank's region of its node's copy
             assert part.full_param is not None
             for lo, hi in nodes.region(bucket.counts, bucket.displs):
                 if part.low is not None:
                     round_low(buf[lo:hi], part.full_param[lo:hi])
                 else:
-                    part.full_param[lo:hi] = buf[lo:hi]
+                    part.full_param[lo:hi] = buf[lo:hi]  # (the region holds part.param)
             if part.low is not None:
                 part.param[...] = mine  # the master shard
-        elif part.full_param is not None and part.low is not None:
-            part.param[...] = buf if whole else mine
+            continue
+        part.param[...] = buf if whole else mine
+        if part.low is not None and part.full_param is not None:
             round_low(buf, part.full_param)  # the model's copy of the whole bucket
-        else:
-            part.param[...] = buf if whole else mine
-            if part.low is not None:
-                round_low(part.param, part.low)  # stage 3: the shard it gathers from
+        elif part.low is not None:
+            round_low(part.param, part.low)  # stage 3: the shard it gathers from
     if nodes is not None:
         nodes.node.fence()

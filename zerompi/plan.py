@@ -12,6 +12,10 @@ stage   parameters  gradients             Adam moments   reduction / gather
                                                          layer into 1 bucket when used
 ======  ==========  ====================  =============  ===============================
 
+(The MPI path. With node shared memory, :func:`stage_plan`'s ``node_kinds`` and
+``shared_kinds``: one parameter copy per node in stages 1-2 and in 3 on one node,
+the staging buckets of 2-3 summed within a node; see :mod:`zerompi.mpi.nodes`.)
+
 The step never asks which stage it runs: it reduces (a :mod:`zerompi.reducer`), reads
 each bucket's :class:`Part`, runs Adam on ``part.param`` with ``part.grad`` and the
 moments, and lets a :mod:`zerompi.gather` gatherer publish the result. The parts are
@@ -118,7 +122,8 @@ def choose_shared(
                    f"{need / 2**20:.1f} MiB per node)")  # fmt: skip
     if why and comm.rank == 0:
         print(f"zerompi: not using node shared memory: {why}; the MPI collectives run "
-              "instead (shared_memory=False says so without this notice)", flush=True)  # fmt: skip
+              "instead (shared_memory=False chooses them without this notice)",
+              flush=True)  # fmt: skip
     return not why
 
 

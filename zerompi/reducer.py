@@ -198,17 +198,19 @@ class StreamReducer:
         self.slots = slots
         self.segments = segments
         self.nodes = nodes
-        #: Over several nodes, per slot and bucket: where this rank's region of the
-        #: node's sum goes (what the cross-node reduce-scatter sends), and per bucket
-        #: the (start, stop) pieces of that region and the cross-node counts.
+        #: Per bucket, the (start, stop) pieces of this rank's region (its own shard
+        #: on one node); over several nodes, per slot and bucket, where the node's sum
+        #: of the region goes (what the cross-node reduce-scatter sends), and per
+        #: bucket the cross-node counts.
         self.node_views: list[list[np.ndarray]] = []
         self.regions: list[list[tuple[int, int]]] = []
         self.cross_counts: list[list[int]] = []
+        if segments is not None and nodes is not None:  # (one node: the own shard)
+            self.regions = [nodes.region(b.counts, b.displs) for b in layout.buckets]
         if segments is not None and nodes is not None and nodes.count > 1:
             assert node_sums is not None
             peers = nodes.peers
             self.cross_counts = [[b.counts[r] for r in peers] for b in layout.buckets]
-            self.regions = [nodes.region(b.counts, b.displs) for b in layout.buckets]
             wide = {d: a.shape[0] // slots for d, a in node_sums.items()}
             self.node_views = [
                 [node_sums[b.dtype][s * wide[b.dtype] : s * wide[b.dtype] + sum(c)]
@@ -365,17 +367,11 @@ class StreamReducer:
         comm, node = self.comm, self.nodes.node  # type: ignore[union-attr]
         comm.record_shared("reduce_scatter", index, bucket.size)
         node.fence()  # every rank's bucket is written
-        base = self.offsets[slot][index]
-        if self.regions:
-            at = 0
-            for lo, hi in self.regions[index]:
-                parts = [peer[base + lo : base + hi] for peer in segment.peers]
-                sum_parts(out[at : at + hi - lo], parts, add)
-                at += hi - lo
-        else:
-            lo = base + bucket.displs[comm.rank]
-            parts = [peer[lo : lo + bucket.counts[comm.rank]] for peer in segment.peers]
-            sum_parts(out, parts, add)
+        base, at = self.offsets[slot][index], 0
+        for lo, hi in self.regions[index]:
+            parts = [peer[base + lo : base + hi] for peer in segment.peers]
+            sum_parts(out[at : at + hi - lo], parts, add)
+            at += hi - lo
         if self.slots == 1:
             node.fence()  # every rank has read this bucket
         comm.count_reduce_scatter(bucket.size, bucket.counts[comm.rank], segment.local.itemsize)

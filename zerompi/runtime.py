@@ -206,6 +206,22 @@ def current_rss_bytes() -> int:
         return max_rss_bytes()
 
 
+def add_shared_memory_options(p: argparse.ArgumentParser) -> None:
+    """``--shared-memory`` / ``--no-shared-memory`` into ``args.shared_memory``
+    (``None`` unless given): the optimizer's ``shared_memory`` argument."""
+    shm = p.add_mutually_exclusive_group()
+    shm.add_argument(
+        "--shared-memory", dest="shared_memory", action="store_const", const=True,
+        help="the optimizer's shared_memory=True (default: its default: node shared memory "
+        "at stages 1-3 with more than one rank per node where it can work, one parameter "
+        "copy per node and the reduction within a node through memory)",
+    )  # fmt: skip
+    shm.add_argument(
+        "--no-shared-memory", dest="shared_memory", action="store_const", const=False,
+        help="shared_memory=False: MPI collectives only, a parameter copy per rank",
+    )  # fmt: skip
+
+
 def pss_bytes() -> int:
     """This process's proportional set size now: its private pages plus its share of
     each shared page (Linux ``/proc/self/smaps_rollup``; elsewhere the resident set

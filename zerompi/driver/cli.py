@@ -11,6 +11,7 @@ from ..partition import DEFAULT_BUCKET_ELEMS, STAGES
 from ..runtime import (
     HelpFormatter,
     Parser,
+    add_shared_memory_options,
     non_negative,
     non_negative_float,
     positive,
@@ -168,17 +169,7 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         help="rank 0 prints a progress line every this many steps "
         "(and for the first and the last step)",
     )
-    shm = p.add_mutually_exclusive_group()
-    shm.add_argument(
-        "--shared-memory", dest="shared_memory", action="store_const", const=True,
-        help="the optimizer's shared_memory=True (default: its default, node shared memory "
-        "with more than one rank at stages 1-3 where it can work: one parameter copy per "
-        "node, reduction within a node through memory)",
-    )  # fmt: skip
-    shm.add_argument(
-        "--no-shared-memory", dest="shared_memory", action="store_const", const=False,
-        help="shared_memory=False: MPI collectives only, a parameter copy per rank",
-    )  # fmt: skip
+    add_shared_memory_options(p)
     p.add_argument(
         "--no-overlap",
         action="store_true",

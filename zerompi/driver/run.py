@@ -61,7 +61,7 @@ def finish(args: argparse.Namespace, opt: ZeroOptimizer, results: dict[str, Any]
         results["grad_norm_tolerance"] = check["grad_norm_tolerance"]
         results["verify_ok"] = check["ok"]
         status = 0 if check["ok"] else 1
-    opt.close()  # collective: frees the shared-memory window, if any
+    opt.close()  # collective: releases the shared-memory segments, if any
     if comm.rank == 0:
         print(summary(results, check), flush=True)
         if check is not None and not check["ok"]:

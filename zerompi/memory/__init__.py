@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .. import mlp
-from ..buffers import CATEGORIES, buffer_plan, full_grads_plan
+from ..buffers import CATEGORIES, buffer_plan, full_grads_plan, node_share
 from ..partition import (
     DEFAULT_BUCKET_ELEMS,
     SUPPORTED_DTYPES,
@@ -206,7 +206,7 @@ def estimate(
     for buf in plan:
         nbytes = buf.nbytes
         if buf.kind in node_kinds:  # this rank's share of its node's copy
-            nbytes = nbytes // per_node + (local < nbytes % per_node)
+            nbytes = node_share(nbytes, per_node, local)
         usage[buf.category] += nbytes
         buffers[buf.name] = nbytes
         exact += nbytes if buf.kind in MODEL_STATES else 0

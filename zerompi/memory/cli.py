@@ -13,6 +13,7 @@ from .. import mlp
 from ..buffers import CATEGORIES
 from ..partition import DEFAULT_BUCKET_ELEMS, STAGES
 from ..precision import NAMES
+from ..runtime import add_shared_memory_options
 from . import Spec, estimate, estimate_max, estimate_node, flat_specs, mlp_specs
 
 
@@ -130,16 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--reduce-dtype", default=None, choices=NAMES,
         help="the optimizer's reduce_dtype: the gradients handed over and the reduction's wire",
     )  # fmt: skip
-    shm = p.add_mutually_exclusive_group()
-    shm.add_argument(
-        "--shared-memory", dest="shared_memory", action="store_const", const=True,
-        help="the optimizer's shared_memory=True (default: its default, which uses node "
-        "shared memory with more than one rank at stages 1-3, assuming /dev/shm has room)",
-    )  # fmt: skip
-    shm.add_argument(
-        "--no-shared-memory", dest="shared_memory", action="store_const", const=False,
-        help="shared_memory=False: a copy of everything per rank, MPI collectives only",
-    )  # fmt: skip
+    add_shared_memory_options(p)  # (assuming /dev/shm has room)
     p.add_argument("--per-rank", action="store_true", help="also give the figures of every rank")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p

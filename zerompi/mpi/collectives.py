@@ -90,11 +90,11 @@ class Comm(FileIO, Agreement):
         self.heartbeat: Any = None
         #: Of the traffic, the bytes that cross a node boundary, per op (same shape as
         #: :attr:`traffic`), booked on the communicator that reports them
-        #: (:func:`.nodes.book_nodes`: the parent of a cross-node communicator).
+        #: (:func:`.nodes.nodes_of`: the parent of a cross-node communicator).
         self.between: dict[str, list[int]] = {}
         self.books: Comm = self
         #: Per rank, whether it is on another node than this one (``None``: all on
-        #: this node; :func:`.nodes.book_nodes`).
+        #: this node; :func:`.nodes.nodes_of`).
         self.offnode: list[bool] | None = None
         if heartbeat:
             self.enable_heartbeat()
@@ -114,9 +114,16 @@ class Comm(FileIO, Agreement):
         entry[0] += sent
         entry[1] += received
         if between[0] or between[1]:
-            entry = self.books.between.setdefault(op, [0, 0])
-            entry[0] += between[0]
-            entry[1] += between[1]
+            self.book_between(op, between)
+
+    def book_between(self, op: str, between: tuple[int, int]) -> None:
+        """Book ``(sent, received)`` bytes of ``op`` that crossed a node boundary, on
+        the communicator that reports them (a cross-node communicator's parent)."""
+        entry = self.books.between.get(op)
+        if entry is None:
+            entry = self.books.between[op] = [0, 0]
+        entry[0] += between[0]
+        entry[1] += between[1]
 
     @contextmanager
     def untracked(self) -> Iterator[None]:
@@ -167,6 +174,12 @@ class Comm(FileIO, Agreement):
                 f"counts {list(counts)} / displs {list(displs)} do not fit a buffer of "
                 f"{buf.shape[0]} elements on {self.size} ranks"
             )
+
+    def _count_allreduce(self, nbytes: int) -> None:
+        """Book an allreduce of ``nbytes`` as a reduce-scatter plus an allgather."""
+        volume = 2 * nbytes * (self.size - 1) // self.size if self.size > 1 else 0
+        far = 2 * nbytes * sum(self.offnode) // self.size if self.offnode else 0
+        self._count("allreduce", volume, volume, (far, far))
 
     def count_reduce_scatter(self, total: int, mine: int, itemsize: int) -> None:
         """Book a reduce-scatter done without MPI (through node shared memory)."""
@@ -299,9 +312,7 @@ class Comm(FileIO, Agreement):
         self.seq += 1
         seq = self.seq
         request = self.mpi.Iallreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM)
-        volume = 2 * buf.nbytes * (self.size - 1) // self.size if self.size > 1 else 0
-        far = 2 * buf.nbytes * sum(self.offnode) // self.size if self.offnode else 0
-        self._count("allreduce", volume, volume, (far, far))
+        self._count_allreduce(buf.nbytes)
         return Pending(request, buf, self, "allreduce", seq, tag)
 
     def allreduce_inplace(self, buf: np.ndarray, tag: int = -1) -> None:
@@ -312,9 +323,7 @@ class Comm(FileIO, Agreement):
             "allreduce", tag,
             lambda: self.mpi.Allreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM),
         )  # fmt: skip
-        volume = 2 * buf.nbytes * (self.size - 1) // self.size if self.size > 1 else 0
-        far = 2 * buf.nbytes * sum(self.offnode) // self.size if self.offnode else 0
-        self._count("allreduce", volume, volume, (far, far))
+        self._count_allreduce(buf.nbytes)
 
     def bcast_inplace(self, buf: np.ndarray, root: int = 0, tag: int = -1) -> None:
         """Overwrite ``buf`` on every rank with root's contents."""

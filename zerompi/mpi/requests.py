@@ -98,14 +98,8 @@ class Planned:
             entry = comm.traffic[self.key] = [0, 0]
         entry[0] += self.sent
         entry[1] += self.received
-        between = self.between
-        if between is not None:  # booked where the parent reports it
-            books = comm.books.between
-            entry = books.get(self.key)
-            if entry is None:
-                entry = books[self.key] = [0, 0]
-            entry[0] += between[0]
-            entry[1] += between[1]
+        if self.between is not None:  # booked where the parent reports it
+            comm.book_between(self.key, self.between)
         return seq
 
     def start(self) -> Pending:

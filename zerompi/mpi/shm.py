@@ -79,8 +79,6 @@ class SharedSegment:
         part = _part_bytes(count, dtype)
         parts = comm.size if per_rank else 1
         total = part * parts
-        #: How many ranks map each part: 1, or every rank of ``comm``.
-        self.sharers = 1 if per_rank else comm.size
         error: BaseException | None = None
         path = ""
         if comm.rank == 0:
