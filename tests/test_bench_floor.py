@@ -61,6 +61,12 @@ def test_a_node_shared_copy_removes_the_gather(stage: int) -> None:
     assert floor_bytes(row(stage, node_shared=False))["gather"] == 8
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_statistics_from_the_reduction_pass_cost_no_bytes(stage: int) -> None:
+    fused = floor_bytes(row(stage, node_shared=True, stats_fused=True))
+    assert fused == {"reduce": 12, "stats": 0, "adam": 28, "gather": 0}
+
+
 def test_bfloat16_params_and_gradients() -> None:
     """r = p = 2: the reduction reads 2-byte parts, Adam also writes the 2-byte copy,
     the gather copies 2-byte elements; the master stays 4 bytes."""

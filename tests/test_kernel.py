@@ -279,3 +279,63 @@ def test_grad_stats_count_nonfinite_and_survive_overflow(variant, kernel, dtype)
     big[50] = np.nan
     bad, total = adam.grad_stats(big, scratch, kernel=kernel, variant=variant)
     assert bad == 1 and np.isnan(total)
+
+
+# -- the within-node sum (zerompi.nodesum) --------------------------------------------
+
+
+def _sum_in_order(out: np.ndarray, parts: list[np.ndarray], add: bool) -> np.ndarray:
+    """numpy's sum of ``parts`` in rank order (after ``out`` with ``add``)."""
+    total = out.copy() if add else parts[0].copy()
+    for part in parts if add else parts[1:]:
+        total = total + part
+    return total
+
+
+@variants
+@pytest.mark.parametrize("kernel", ["c", "numpy"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+def test_sum_parts_in_rank_order_with_stats(variant, kernel, dtype, ranks):
+    """The node's sum of the parts, in rank order, bit for bit as numpy adds them,
+    into a separate ``out`` or into one of the parts itself (a rank's own region of
+    its own buffer, stage 1), with ``add`` (a later micro-batch) or not; the
+    statistics from the same pass are the C ``grad_stats`` of the result, bit for
+    bit (numpy's: the same up to its chunked float32 dot products)."""
+    if kernel == "c" and adam._kernels is None:
+        pytest.skip("zerompi._kernels is not built")
+    variant = _variant(variant) if kernel == "c" else None
+    rng = np.random.default_rng(ranks)
+    for n in LENGTHS:
+        parts = [rng.standard_normal(n).astype(dtype) for _ in range(ranks)]
+        for into, add in [(-1, False), (-1, True), *((q, False) for q in range(ranks))]:
+            mine = [p.copy() for p in parts]
+            out = rng.standard_normal(n).astype(dtype) if into < 0 else mine[into]
+            want = _sum_in_order(out, mine, add)
+            got = adam.sum_parts(out, mine, add, True, kernel=kernel, variant=variant)
+            assert np.array_equal(out, want), (n, into, add)
+            assert got is not None and got[0] == 0, (n, into, add)
+            if kernel == "c":
+                assert got == adam._kernels.grad_stats(want), (n, into, add)
+            else:
+                exact = float(np.sum(want.astype(np.float64) ** 2))
+                assert got[1] == pytest.approx(exact, rel=1e-5, abs=1e-30), (n, into, add)
+            assert adam.sum_parts(out, mine, True, False, kernel=kernel, variant=variant) is None
+        if n >= 20:
+            parts[0][[1, 7]] = [np.nan, np.inf]
+            out = np.empty(n, dtype)
+            bad, total = adam.sum_parts(out, parts, False, True, kernel=kernel, variant=variant)
+            assert bad == 2 and not np.isfinite(total), n
+
+
+@needs_c
+def test_sum_parts_refuses_bad_arrays():
+    a = np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match="part 1 is not 8 elements"):
+        adam._kernels.sum_parts(a, [a, np.zeros(7, np.float32)], False, True)
+    with pytest.raises(ValueError, match="part 0 is not 8 elements"):
+        adam._kernels.sum_parts(a, [np.zeros(8, np.float64)], False, True)
+    with pytest.raises(ValueError, match="1 to 256 parts, got 0"):
+        adam._kernels.sum_parts(a, [], False, True)
+    with pytest.raises(TypeError, match="out must be a writable"):
+        adam._kernels.sum_parts(a[::2], [a[:4]], False, True)

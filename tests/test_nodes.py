@@ -105,6 +105,55 @@ def test_one_parameter_copy_per_node(comm: MPI.Intracomm, stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_node_reduction_matches_the_mpi_one(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch, stage: int
+) -> None:
+    """With node shared memory every rank sums its region of the node's gradient
+    buffers in place (stage 1's full buffers too, not only stages 2-3's staging);
+    on one node the same pass gives the step's statistics (no second pass over the
+    reduced gradient). The parameters, the gradient norm and clipping equal the MPI
+    path's (up to the order of the sums), and a non-finite gradient on one rank
+    skips the step on every rank, state untouched."""
+    import zerompi.nodesum as nodesum
+
+    passes = []
+    real = nodesum.grad_stats
+    monkeypatch.setattr(nodesum, "grad_stats", lambda *a: passes.append(1) or real(*a))
+    params = _params(7)
+    opts = [ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=6, lr=0.05,
+                          max_norm=0.5, shared_memory=shared) for shared in (True, False)]
+    problems = []
+    shared = opts[0].shared_memory
+    if shared and stage == 1 and opts[0].reducer.node_sum is None:
+        problems.append("stage 1 with shared memory does not reduce in node shared memory")
+    rng = np.random.default_rng(11 + comm.rank)
+    for step in range(4):
+        grads = {n: rng.standard_normal(p.shape).astype(p.dtype) for n, p in params.items()}
+        if step == 2 and comm.rank == comm.size - 1:
+            grads["b.w"][3] = np.nan
+        for opt in opts:
+            passes.clear()
+            for name in reversed(list(params)):
+                with opt.gathered(name), opt.gradients(name) as g:
+                    g[name][...] += grads[name]
+            opt.step()
+            if opt is opts[0] and shared and opt.nodes.count == 1 and passes:
+                problems.append(f"step {step}: {len(passes)} statistics pass(es) after the "
+                                "node reduction")  # fmt: skip
+        a, b = opts[0].last_grad_norm, opts[1].last_grad_norm
+        if step != 2 and not np.isclose(a, b, rtol=1e-6):
+            problems.append(f"step {step}: norm {a} with shared memory, {b} without")
+    for name in params:
+        a, b = opts[0].full_params()[name], opts[1].full_params()[name]
+        if not np.allclose(a, b, rtol=1e-5, atol=1e-7):
+            problems.append(f"{name}: differs by {np.max(np.abs(a - b))}")
+    skipped = [opt.skipped_steps for opt in opts]
+    if skipped != [1, 1]:
+        problems.append(f"skipped steps {skipped}, want [1, 1]")
+    assert_all(not problems, "\n".join(problems[:5]))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_results_are_the_same_run_to_run(comm: MPI.Intracomm, stage: int) -> None:
     """At a given layout (ranks, nodes), training twice from the same start gives
     bit-identical parameters, with gradients whose sums round (the order of the

@@ -196,6 +196,47 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
         *sumsq = total;                                                               \
     }
 
+/* out[i] (+)= parts[0][i] + parts[1][i] + ... in that order, in T, and with `stats`
+ * the sum of squares of the result in float64 in the same order as STATS_LOOP (so the
+ * same bits as grad_stats(out) afterwards), in the same pass: the within-node
+ * reduction and the gradient statistics read each byte once. out may be one of the
+ * parts (the same elements): every element is read from all parts before it is
+ * written, LANES at a time. */
+#define SUM_BLOCK 512 /* elements summed in a local (L1) block: a multiple of LANES */
+#define SUM_LOOP(NAME, ATTR, T)                                                          \
+    ATTR static void NAME(T *out, const T *const *parts, int k, Py_ssize_t n, int add,   \
+                          int stats, Py_ssize_t *nonfinite, double *sumsq) {             \
+        double acc[LANES] = {0.0}, total = 0.0;                                          \
+        T buf[SUM_BLOCK];                                                                \
+        Py_ssize_t bad = 0;                                                              \
+        for (Py_ssize_t lo = 0; lo < n; lo += SUM_BLOCK) {                               \
+            const Py_ssize_t len = n - lo < SUM_BLOCK ? n - lo : SUM_BLOCK;               \
+            const T *p0 = parts[0] + lo;                                                 \
+            T *o = out + lo;                                                             \
+            if (add)                                                                     \
+                for (Py_ssize_t j = 0; j < len; j++) buf[j] = o[j] + p0[j];              \
+            else                                                                         \
+                for (Py_ssize_t j = 0; j < len; j++) buf[j] = p0[j];                     \
+            for (int q = 1; q < k; q++) {                                                \
+                const T *pq = parts[q] + lo;                                             \
+                for (Py_ssize_t j = 0; j < len; j++) buf[j] = buf[j] + pq[j];            \
+            }                                                                            \
+            for (Py_ssize_t j = 0; j < len; j++) o[j] = buf[j];                          \
+            if (!stats) continue;                                                        \
+            const Py_ssize_t whole = len - len % LANES; /* only the last block has more */ \
+            for (Py_ssize_t j = 0; j < whole; j += LANES)                                \
+                for (int l = 0; l < LANES; l++)                                          \
+                    acc[l] += (double)buf[j + l] * (double)buf[j + l];                   \
+            for (Py_ssize_t j = whole; j < len; j++) total += (double)buf[j] * (double)buf[j]; \
+        }                                                                                \
+        if (!stats) return;                                                              \
+        for (int j = 0; j < LANES; j++) total += acc[j];                                 \
+        if (!isfinite(total))                                                            \
+            for (Py_ssize_t m = 0; m < n; m++) bad += !isfinite(out[m]);                 \
+        *nonfinite = bad;                                                                \
+        *sumsq = total;                                                                  \
+    }
+
 typedef void (*adam_f32_fn)(float *restrict, const float *restrict, float *restrict,
                             float *restrict, Py_ssize_t, double, double, double, double,
                             double, int, double, double, double);
@@ -212,6 +253,10 @@ typedef void (*round_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize
 typedef void (*round_f64_fn)(const double *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*stats_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t *, double *);
 typedef void (*stats_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t *, double *);
+typedef void (*sum_f32_fn)(float *, const float *const *, int, Py_ssize_t, int, int,
+                           Py_ssize_t *, double *);
+typedef void (*sum_f64_fn)(double *, const double *const *, int, Py_ssize_t, int, int,
+                           Py_ssize_t *, double *);
 
 /* One set of loops per variant (ATTR: its target attribute). */
 #define VARIANT_LOOPS(SUFFIX, ATTR)                                            \
@@ -228,7 +273,9 @@ typedef void (*stats_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t *, d
     ACCUMULATE_LOOP(acc_double_bf16_##SUFFIX, ATTR, double, bf16_to_f32)      \
     ACCUMULATE_LOOP(acc_double_f16_##SUFFIX, ATTR, double, f16_to_f32)        \
     STATS_LOOP(stats_float_##SUFFIX, ATTR, float)                             \
-    STATS_LOOP(stats_double_##SUFFIX, ATTR, double)
+    STATS_LOOP(stats_double_##SUFFIX, ATTR, double)                           \
+    SUM_LOOP(sum_float_##SUFFIX, ATTR, float)                                 \
+    SUM_LOOP(sum_double_##SUFFIX, ATTR, double)
 
 #ifdef HAVE_AVX512F
 VARIANT_LOOPS(avx512f, __attribute__((target("avx512f"))))
@@ -242,6 +289,8 @@ static adam_f32_fn adam_float_v[N_VARIANTS];
 static adam_f64_fn adam_double_v[N_VARIANTS];
 static stats_f32_fn stats_float_v[N_VARIANTS];
 static stats_f64_fn stats_double_v[N_VARIANTS];
+static sum_f32_fn sum_float_v[N_VARIANTS];
+static sum_f64_fn sum_double_v[N_VARIANTS];
 /* [variant][0: bfloat16, 1: float16] */
 static round_f32_fn round_float_v[N_VARIANTS][2];
 static round_sr_f32_fn round_sr_float_v[N_VARIANTS];
@@ -266,6 +315,8 @@ static round_f64_fn round_double_v[N_VARIANTS][2];
         round_double_v[V][1] = round_double_f16_##SUFFIX;     \
         stats_float_v[V] = stats_float_##SUFFIX;              \
         stats_double_v[V] = stats_double_##SUFFIX;            \
+        sum_float_v[V] = sum_float_##SUFFIX;                  \
+        sum_double_v[V] = sum_double_##SUFFIX;                \
         variant_built[V] = 1;                                 \
     } while (0)
 
@@ -643,6 +694,83 @@ grad_stats(PyObject *self, PyObject *args, PyObject *kwargs)
     return Py_BuildValue("(nd)", bad, total);
 }
 
+PyDoc_STRVAR(sum_parts_doc,
+"sum_parts(out, parts, add, stats, *, variant=None) -> (nonfinite, sumsq) or None\n\n"
+"out[i] = parts[0][i] + parts[1][i] + ... (add false) or out[i] + parts[0][i] + ...\n"
+"(add true), summed in that order in out's dtype; out and every part contiguous\n"
+"float32/float64 arrays of one dtype and length (out may be one of the parts). With\n"
+"stats, also what grad_stats(out) returns afterwards, from the same pass.");
+
+#define MAX_PARTS 256
+
+static PyObject *
+sum_parts(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"out", "parts", "add", "stats", "variant", NULL};
+    PyObject *out_obj, *parts_obj, *result = NULL;
+    int add, stats;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOpp|$z", kwlist, &out_obj, &parts_obj,
+                                     &add, &stats, &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
+    PyObject *seq = PySequence_Fast(parts_obj, "parts must be a sequence of arrays");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    if (k < 1 || k > MAX_PARTS) {
+        PyErr_Format(PyExc_ValueError, "sum_parts needs 1 to %d parts, got %zd", MAX_PARTS, k);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_buffer out, views[MAX_PARTS];
+    const void *ptrs[MAX_PARTS];
+    Py_ssize_t got = 0;
+    if (get_vector(out_obj, &out, 1, "out") < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    const char kind = element_kind(&out);
+    const Py_ssize_t n = out.len / (out.itemsize ? out.itemsize : 1);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "out must be float32 or float64, got format '%s'",
+                     out.format);
+        goto done;
+    }
+    for (; got < k; got++) {
+        if (get_vector(PySequence_Fast_GET_ITEM(seq, got), &views[got], 0, "each part") < 0)
+            goto done;
+        if (element_kind(&views[got]) != kind || views[got].len != out.len) {
+            PyErr_Format(PyExc_ValueError, "part %zd is not %zd elements of out's dtype",
+                         got, n);
+            got++;
+            goto done;
+        }
+        ptrs[got] = views[got].buf;
+    }
+    Py_ssize_t bad = 0;
+    double total = 0.0;
+    Py_BEGIN_ALLOW_THREADS
+    if (kind == 'f')
+        sum_float_v[variant](out.buf, (const float *const *)ptrs, (int)k, n, add, stats, &bad,
+                             &total);
+    else
+        sum_double_v[variant](out.buf, (const double *const *)ptrs, (int)k, n, add, stats,
+                              &bad, &total);
+    Py_END_ALLOW_THREADS
+    if (stats)
+        result = Py_BuildValue("(nd)", bad, total);
+    else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    for (Py_ssize_t q = 0; q < got; q++) PyBuffer_Release(&views[q]);
+    PyBuffer_Release(&out);
+    Py_DECREF(seq);
+    return result;
+}
+
 PyDoc_STRVAR(variants_doc,
 "variants() -> tuple of str\n\n"
 "The compiled loops this CPU can run, widest vectors first, among 'avx512f',\n"
@@ -694,6 +822,8 @@ static PyMethodDef methods[] = {
      round_low_doc},
     {"accumulate", (PyCFunction)(void (*)(void))accumulate, METH_VARARGS | METH_KEYWORDS,
      accumulate_doc},
+    {"sum_parts", (PyCFunction)(void (*)(void))sum_parts, METH_VARARGS | METH_KEYWORDS,
+     sum_parts_doc},
     {"variants", variants, METH_NOARGS, variants_doc},
     {"compiled", compiled, METH_NOARGS, compiled_doc},
     {NULL, NULL, 0, NULL},

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -319,6 +320,47 @@ def round_low(
     else:
         with np.errstate(over="ignore", invalid="ignore"):
             np.copyto(low, src, casting="unsafe")
+
+
+def sum_parts(
+    out: np.ndarray, parts: Sequence[np.ndarray], add: bool, stats: bool = False,
+    kernel: str | None = None, variant: str | None = None,
+) -> tuple[int, float] | None:  # fmt: skip
+    """``out[...] = parts[0] + parts[1] + ...`` (or ``out + parts[0] + ...`` with
+    ``add``), summed in that order in ``out``'s dtype, the parts of ``out``'s dtype and
+    length; ``out`` may be one of them. With ``stats``, also :func:`grad_stats` of
+    the result: the C kernel computes both in one pass over memory (the reduction
+    within a node reads each byte once), the numpy one in two."""
+    if kernel is not None and kernel != KERNEL:
+        kernel = _choose_kernel(kernel)
+    if (kernel or KERNEL) == "c" and out.flags.c_contiguous and all(
+        p.flags.c_contiguous for p in parts
+    ):
+        result = _kernels.sum_parts(out, parts, add, stats, variant=variant or VARIANT)
+        if result is None or result[0] or math.isfinite(result[1]):
+            return result
+        # finite float64 squares beyond float64's range: grad_stats rescales
+        return grad_stats(out, np.empty(min(BLOCK, out.shape[0]), out.dtype))
+    n = out.shape[0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        aliased = any(np.may_share_memory(out, p) for p in parts)
+        chunk = BLOCK if aliased else max(n, 1)  # aliased: through a small block
+        tmp = np.empty(min(chunk, n), out.dtype) if aliased else None
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            o = out[lo:hi]
+            acc = o if tmp is None else tmp[: hi - lo]
+            if add:
+                np.add(o, parts[0][lo:hi], out=acc)
+            else:
+                np.copyto(acc, parts[0][lo:hi])
+            for part in parts[1:]:
+                np.add(acc, part[lo:hi], out=acc)
+            if tmp is not None:
+                np.copyto(o, acc)
+    if not stats:
+        return None
+    return grad_stats(out, np.empty(min(BLOCK, max(n, 1)), out.dtype), kernel="numpy")
 
 
 #: Elements per ``np.dot`` in :func:`grad_stats`: bounds the float32 accumulation error

@@ -94,10 +94,11 @@ def buffer_plan(
     allocates from and :mod:`zerompi.memory` estimates from. With ``shared_memory``
     the parameters of stages 1-2 (and of stage 3 on one node, ``region`` ``None``)
     are one copy per node (``node_kinds`` of :func:`zerompi.plan.stage_plan`), and
-    stages 2-3 reduce within a node through
-    shared staging buckets; over several nodes ``region`` (the ranks whose shards
-    this rank sums within its node, :attr:`zerompi.mpi.nodes.Nodes.peers`) sizes
-    the buffer of those sums, one per staging slot, that the cross-node
+    stages 1-3 reduce within a node through node shared memory (the staging buckets
+    of 2-3; stage 1's full gradient buffers, unless 16-bit); over
+    several nodes ``region`` (the ranks whose shards this rank sums within its node,
+    :attr:`zerompi.mpi.nodes.Nodes.peers`) sizes the buffer of those sums, one per
+    staging slot (stage 1: per reduction in flight), that the cross-node
     reduce-scatter sends.
 
     Per master dtype ``M`` (the arrays' own), with ``P``/``R`` the parameter and
@@ -117,6 +118,16 @@ def buffer_plan(
     # Stage 3 shards the parameters, except on one node with shared memory (no region
     # across nodes): there the node's one copy is what the shards would add up to.
     sharded = stage == 3 and not (shared_memory and region is None)
+    # Over several nodes the node's sums of this rank's region go across nodes.
+    node_sums = shared_memory and region is not None and len(region) > 1
+    low_any = any(p.low_grads for p in (precisions or {}).values())
+
+    def widest(dtype: np.dtype) -> int:  # elements of the widest region of a bucket
+        return max(
+            (sum(b.counts[r] for r in region or ()) for b in layout.buckets if b.dtype == dtype),
+            default=0,
+        )
+
     for dtype, size in layout.sizes.items():
         prec = precisions[dtype] if precisions else Precision(dtype, dtype, dtype)
         p_dt, r_dt = prec.param, prec.reduce
@@ -139,15 +150,13 @@ def buffer_plan(
             add("grads", r_dt, size, "gradient_partitions")
             if prec.low_grads:
                 add("grads_reduced", dtype, local, "gradient_partitions")
+            elif stage == 1 and node_sums and not low_any:  # node sums, per window slot
+                add("grad_node", dtype, widest(dtype) * REDUCE_WINDOW, "communication_buffers")
         else:
             add("grads", dtype, shard, "gradient_partitions")
             add("grad_bucket", r_dt, layout.max_bucket(dtype) * slots, "communication_buffers")
-            if shared_memory and region is not None and len(region) > 1:
-                widest = max(
-                    (sum(b.counts[r] for r in region) for b in layout.buckets if b.dtype == dtype),
-                    default=0,
-                )
-                add("grad_node", dtype, widest * slots, "communication_buffers")
+            if node_sums:
+                add("grad_node", dtype, widest(dtype) * slots, "communication_buffers")
         if is_half(r_dt) and not (shared_memory and stage >= 2):
             parts = (slots if stage >= 2 else REDUCE_WINDOW) * layout.world_size
             add("grad_recv", r_dt, parts * layout.max_part(dtype), "communication_buffers")

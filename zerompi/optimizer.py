@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .adam import AdamConfig, adam_step, grad_stats, sr_key
+from .adam import AdamConfig, adam_step, sr_key
 from .arrays import FlatArrays, check_failure_settings, check_params
 from .buffers import OVERLAP_SLOTS, BufferPool, Placed, placed_plan
 from .gather import MPIGather, NodeGather, NoGather
@@ -45,8 +45,9 @@ from .mpi.collectives import Comm
 from .mpi.launch import check_world, install_abort_hook
 from .mpi.nodes import nodes_of
 from .mpi.watchdog import resolve_timeout
+from .nodesum import NodeSum, StatsRuns
 from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_layout
-from .plan import bucket_parts, choose_shared, runs, stage_plan
+from .plan import StagePlan, bucket_parts, choose_shared, runs, stage_plan
 from .precision import low_base, precision_settings
 from .reducer import FullReducer, StreamReducer
 from .state import PHASES, OptimizerState
@@ -179,7 +180,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         #: Whether node shared memory is in use (:func:`zerompi.plan.choose_shared`).
         self.shared_memory = choose_shared(
             shared_memory, stage, comm_, self.nodes, lambda: self._plan_buffers(True))
-        self.plan = stage_plan(stage, self.shared_memory, self.nodes.count == 1)
+        self.plan = self._stage_plan(self.shared_memory)
         self._closed = False
         self.step_count = 0
         #: Steps skipped because the averaged gradient was not finite.
@@ -235,24 +236,23 @@ class ZeroOptimizer(HandOver, OptimizerState):
         #: rounding's random stream (the same at every step's same position).
         lows = [a for k in ("params", "params_low") for a in stores.get(k, {}).values()]
         self._low_bases = [low_base(run.arrays[4], lows) for run in self._adam_runs]
-        self._stats_runs: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(self.parts)
-        for run in runs(self.parts, ("stats",), merge=True):
-            self._stats_runs[run.last] = (run.arrays[0], run.scratch)
+        self._stats_runs = StatsRuns(runs(self.parts, ("stats",), merge=True), len(self.parts))
         self._prepare_handover(stores)
+        segments = {b.master: pool.segments[b.name] for b, *_ in plan
+                    if b.kind in self.plan.shared_kinds}  # the node-shared gradients  # fmt: skip
         if self.plan.full_grads:
             self._grads = FlatArrays(
                 {n: self._view(stores["grads"], n) for n in self._order}, "gradient"
             )
             self.reducer: FullReducer | StreamReducer = FullReducer(
                 comm, layout, self.parts, allreduce=self.plan.reduce == "allreduce",
-                recv=stores.get("grad_recv"),
+                recv=stores.get("grad_recv"), nodes=nodes, node_sums=stores.get("grad_node"),
+                node_sum=NodeSum(comm, layout, nodes, segments) if segments else None,
             )  # fmt: skip
         else:
-            segments = {b.master: pool.segments[b.name] for b, *_ in plan
-                        if b.kind == "grad_bucket"} if self.plan.shared_kinds else None  # fmt: skip
             self.reducer = StreamReducer(
                 comm, layout, self.parts, stores["grad_bucket"],
-                OVERLAP_SLOTS if self.overlap else 1, segments,
+                OVERLAP_SLOTS if self.overlap else 1, segments or None,
                 self._full_grads if stage == 2 else None, stores.get("grad_recv"),
                 nodes, stores.get("grad_node"),
             )  # fmt: skip
@@ -263,10 +263,14 @@ class ZeroOptimizer(HandOver, OptimizerState):
         else:
             self.gatherer = NoGather()
 
+    def _stage_plan(self, shared: bool) -> StagePlan:
+        low = any(p.low_grads for p in self.precisions.values())
+        return stage_plan(self.stage, shared, self.nodes.count == 1, low)
+
     def _plan_buffers(self, shared: bool) -> list[Placed]:
-        nodes, stage = self.nodes, self.stage
-        plan = stage_plan(stage, shared, nodes.count == 1)
-        return placed_plan(self.layout, stage, self.overlap, self.precisions, plan, shared, nodes)
+        plan, nodes = self._stage_plan(shared), self.nodes
+        return placed_plan(self.layout, self.stage, self.overlap, self.precisions, plan,
+                           shared, nodes)  # fmt: skip
 
     def _describe(self, index: int) -> str:
         """Bucket ``index`` in words, for error messages and the watchdog."""
@@ -345,14 +349,10 @@ class ZeroOptimizer(HandOver, OptimizerState):
         """Every bucket's reduction, and this rank's row of the agreement."""
         stats = self._stats
         stats[:2] = 0.0
-        ends = self._stats_runs
+        runs, fused = self._stats_runs, self.reducer.fused
 
         def visit(index: int) -> None:  # bucket `index` is reduced
-            run = ends[index]
-            if run is not None:  # it ends a run of reduced buckets
-                bad, sumsq = grad_stats(*run)
-                stats[0] += bad
-                stats[1] += sumsq
+            runs.add(index, fused, stats)
 
         self.reducer.reduce(visit)
         stats[2], stats[3] = self.step_count, self._micro_batches

@@ -69,10 +69,14 @@ class StagePlan:
         return bool(self.shared_kinds or self.node_kinds)
 
 
-def stage_plan(stage: int, shared_memory: bool, one_node: bool = False) -> StagePlan:
+def stage_plan(
+    stage: int, shared_memory: bool, one_node: bool = False, low_grads: bool = False
+) -> StagePlan:
     """The plan of ``stage``; ``shared_memory`` puts the parameters of stages 1-2
-    into one copy per node, and the staging buckets of stages 2-3 into node shared
-    memory, reduced within the node there and across nodes by MPI. Stage 3 on
+    into one copy per node, and the gradients of stages 1-3 (stage 1's full buffers
+    unless they are 16-bit, ``low_grads``, which are reduced per micro-batch by MPI;
+    the staging buckets of 2-3) into node shared memory, reduced within the node
+    there and across nodes by MPI. Stage 3 on
     ``one_node`` keeps that one copy too: the node's ranks' shards together are the
     whole model, so the node holds what it would hold sharded, and a layer is read
     in place instead of gathered."""
@@ -84,7 +88,8 @@ def stage_plan(stage: int, shared_memory: bool, one_node: bool = False) -> Stage
         full_grads=stage <= 1,
         reduce="allreduce" if stage == 0 else "reduce_scatter",
         gather="node" if node_copy else ("none" if stage in (0, 3) else "allgatherv"),
-        shared_kinds=("grad_bucket",) if shared and stage >= 2 else (),
+        shared_kinds=("grad_bucket",) if shared and stage >= 2 else (
+            ("grads",) if shared and stage == 1 and not low_grads else ()),
         node_kinds=("params",) if node_copy else (),
     )
 
@@ -187,6 +192,8 @@ def bucket_parts(plan: StagePlan, layout: Layout, stores: Mapping[str, Store]) -
                 grad = shard_of(grads, layout, index)
             elif dtype in reduced:
                 grad = reduced[dtype][mine]
+            elif "grads" in plan.shared_kinds:  # summed into its place: peers read the rest
+                grad = full_grad[lo:hi]
             else:  # stage 1 reduces in place: the shard lands at the top of the bucket
                 grad = full_grad[: hi - lo]
             stats = grad

@@ -3,7 +3,8 @@
 * :class:`FullReducer` (stages 0-1): the model adds into full gradient buffers;
   ``step()`` reduces them bucket by bucket (stage 0: a blocking ``Allreduce``, which
   measured 1.6x faster than MPICH's ``Iallreduce`` here; stage 1: ``Ireduce_scatter``
-  with :data:`REDUCE_WINDOW` buckets in flight).
+  with :data:`REDUCE_WINDOW` buckets in flight, or with node shared memory the
+  buffers' sums read in place, as stages 2-3 read their staging).
 * :class:`StreamReducer` (stages 2-3): gradients are handed over bucket by bucket
   into a staging slot and reduced as soon as a bucket is complete, while the model
   computes the next one; two backends: ``Ireduce_scatter`` straight into the gradient
@@ -20,11 +21,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .adam import accumulate
 from .buffers import REDUCE_WINDOW
 from .mpi.collectives import Comm, Pending, Planned
 from .mpi.nodes import Nodes
 from .mpi.shm import SharedSegment
+from .nodesum import NodeSum, Stats, sum_received
 from .partition import Bucket, Layout
 from .plan import Part
 
@@ -39,17 +40,29 @@ class FullReducer:
     micro-batches in 16 bits either: every ``end_micro_batch`` moves each rank's
     parts to their owners (``Alltoallv``), sums them into the master-dtype shard of
     the reduced gradient, and zeroes the 16-bit buffers; stage 0 then gathers the
-    reduced shards at ``step()``."""
+    reduced shards at ``step()``.
+
+    Stage 1 with node shared memory (``node_sum``; the full buffers are node-shared,
+    one part per rank) sums this rank's region from every node rank's buffer into its
+    own part's shard position (:class:`zerompi.nodesum.NodeSum`), then over several
+    nodes reduce-scatters those node sums across nodes, as stages 2-3 do."""
 
     def __init__(
         self, comm: Comm, layout: Layout, parts: Sequence[Part], allreduce: bool,
-        recv: Mapping[np.dtype, np.ndarray] | None = None,
+        recv: Mapping[np.dtype, np.ndarray] | None = None, node_sum: NodeSum | None = None,
+        nodes: Nodes | None = None, node_sums: Mapping[np.dtype, np.ndarray] | None = None,
     ) -> None:  # fmt: skip
         self.comm = comm
         self.layout = layout
         self.parts = parts
         self.allreduce = allreduce
         self.split = bool(recv)
+        self.node_sum = node_sum
+        #: Per bucket, its statistics when its reduction computed them (one node).
+        self.fused: list[Stats] = [None] * len(parts)
+        if node_sum is not None:  # stage 1 in node shared memory (never 16-bit)
+            self._plan_node(nodes, node_sums)  # type: ignore[arg-type]
+            return
         if self.split:
             assert recv is not None
             width = {d: comm.size * layout.max_part(d) for d in recv}
@@ -68,6 +81,23 @@ class FullReducer:
                 for p, b in zip(parts, layout.buckets, strict=True)
             ]  # fmt: skip
         self.micro = 0  # micro-batches folded into the reduced shards (16-bit only)
+
+    def _plan_node(self, nodes: Nodes, node_sums: Mapping[np.dtype, np.ndarray]) -> None:
+        """Over several nodes: per bucket, where the node's sum of this rank's region
+        goes (slot ``index % REDUCE_WINDOW`` of ``node_sums``) and the cross-node
+        reduce-scatter of it into the shard."""
+        self.node_views: list[np.ndarray] = []
+        self.planned = []
+        if nodes.count == 1:
+            return
+        cross, peers = nodes.cross, nodes.peers
+        assert cross is not None
+        wide = {d: a.shape[0] // REDUCE_WINDOW for d, a in node_sums.items()}
+        for i, (p, b) in enumerate(zip(self.parts, self.layout.buckets, strict=True)):
+            counts = [b.counts[r] for r in peers]
+            lo = (i % REDUCE_WINDOW) * wide[b.dtype]
+            self.node_views.append(node_sums[b.dtype][lo : lo + sum(counts)])
+            self.planned.append(cross.plan_reduce_scatter(self.node_views[-1], counts, p.grad, i))
 
     def end_micro_batch(self) -> None:
         """Gradients keep summing in the full buffers; 16-bit ones are reduced now."""
@@ -89,6 +119,13 @@ class FullReducer:
         part = self.parts[index]
         buf = part.full_grad
         assert buf is not None
+        if self.node_sum is not None:  # within the node from shared memory (then across)
+            base, first = self.layout.buckets[index].start, index == 0
+            if not self.planned:  # one node: the sum is the reduced gradient
+                self.fused[index] = self.node_sum(index, base, part.grad, False, first)
+                return Pending.done(part.grad)
+            self.node_sum(index, base, self.node_views[index], False, first)
+            return self.planned[index].start()
         if self.split:  # reduced already; stage 0 gathers the reduced shards
             if self.allreduce:
                 bucket = self.layout.buckets[index]
@@ -109,8 +146,11 @@ class FullReducer:
             visit(index)
 
     def consumed(self) -> None:
-        """After Adam: the full gradients were reduced in place; start from zero."""
+        """After Adam: the full gradients were reduced in place; start from zero.
+        (In node shared memory the step's last node fence came first: no rank of the
+        node still reads them.)"""
         self.micro = 0
+        self.fused = [None] * len(self.parts)
         if self.split:
             return  # zeroed at every micro-batch; the reduced shards are overwritten
         for part in self.parts:
@@ -119,6 +159,7 @@ class FullReducer:
 
     def discard(self) -> None:
         self.micro = 0
+        self.fused = [None] * len(self.parts)
         for part in self.parts:
             assert part.full_grad is not None
             part.full_grad.fill(0)
@@ -138,39 +179,6 @@ class _Reduction(NamedTuple):
     #: A 16-bit reduction: ``pending`` delivers every rank's part of the bucket, to be
     #: summed here in the master dtype.
     split: bool = False
-
-
-def sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
-    """``out`` (+)= the sum of ``parts`` in rank order, in ``out``'s dtype: never in
-    16 bits when the parts are narrower than ``out``. An overflow (inf, or inf - inf)
-    is no warning: the step's agreement counts it, and loss scaling expects it."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        _sum_parts(out, parts, add)
-
-
-def sum_received(out: np.ndarray, received: np.ndarray, ranks: int, add: bool) -> None:
-    """:func:`sum_parts` of what an ``Alltoallv`` of a bucket delivered: every rank's
-    part of ``len(out)`` elements, one after the other in rank order."""
-    mine = out.shape[0]
-    sum_parts(out, [received[q * mine : (q + 1) * mine] for q in range(ranks)], add)
-
-
-def _sum_parts(out: np.ndarray, parts: Sequence[np.ndarray], add: bool) -> None:
-    if parts and parts[0].dtype.itemsize == 2:  # 16-bit parts: the compiled upcast-add
-        for i, part in enumerate(parts):
-            accumulate(out, part, add or i > 0)
-        return
-    if add:
-        for part in parts:
-            np.add(out, part, out=out)
-    elif len(parts) == 1:
-        np.copyto(out, parts[0])
-        for part in parts[1:]:
-            np.add(out, part, out=out)
-    else:
-        np.add(parts[0], parts[1], out=out)
-        for part in parts[2:]:
-            np.add(out, part, out=out)
 
 
 class StreamReducer:
@@ -203,10 +211,11 @@ class StreamReducer:
         #: of the region goes (what the cross-node reduce-scatter sends), and per
         #: bucket the cross-node counts.
         self.node_views: list[list[np.ndarray]] = []
-        self.regions: list[list[tuple[int, int]]] = []
         self.cross_counts: list[list[int]] = []
-        if segments is not None and nodes is not None:  # (one node: the own shard)
-            self.regions = [nodes.region(b.counts, b.displs) for b in layout.buckets]
+        self.node_sum = None if segments is None or nodes is None else (
+            NodeSum(comm, layout, nodes, segments))  # fmt: skip
+        #: Per bucket, its statistics when its reduction computed them (one node).
+        self.fused: list[Stats] = [None] * len(parts)
         if segments is not None and nodes is not None and nodes.count > 1:
             assert node_sums is not None
             peers = nodes.peers
@@ -321,9 +330,10 @@ class StreamReducer:
         shard = self.parts[index].grad
         add = self.reductions[index] > 0
         self.reductions[index] += 1
-        if self.segments is not None and slot is not None:
+        self.fused[index] = None
+        if self.node_sum is not None and slot is not None:
             if not self.node_views:  # one node: summed into the shard, done
-                self._shared_reduce(index, slot, shard, add)
+                self.fused[index] = self._shared_reduce(index, slot, shard, add)
                 return
             buf = self.node_views[slot][index]
             self._shared_reduce(index, slot, buf, False)  # then across nodes, by MPI
@@ -358,23 +368,15 @@ class StreamReducer:
         planned = comm.plan_reduce_scatter(buf, bucket.counts, None if add else shard, index)
         return planned, _Reduction(index, planned.pending, add, slot)
 
-    def _shared_reduce(self, index: int, slot: int, out: np.ndarray, add: bool) -> None:
-        """Blocking: this rank sums its region of every node rank's staging slot, in
-        rank order, into ``out`` after one node fence (one more when there is a single
-        slot, before any rank of the node may overwrite its slot)."""
-        bucket = self.layout.buckets[index]
-        segment = self.segments[bucket.dtype]  # type: ignore[index]
-        comm, node = self.comm, self.nodes.node  # type: ignore[union-attr]
-        comm.record_shared("reduce_scatter", index, bucket.size)
-        node.fence()  # every rank's bucket is written
-        base, at = self.offsets[slot][index], 0
-        for lo, hi in self.regions[index]:
-            parts = [peer[base + lo : base + hi] for peer in segment.peers]
-            sum_parts(out[at : at + hi - lo], parts, add)
-            at += hi - lo
+    def _shared_reduce(self, index: int, slot: int, out: np.ndarray, add: bool) -> Stats:
+        """Blocking: this rank's region of bucket ``index`` summed over the node's
+        staging slots into ``out`` (:class:`zerompi.nodesum.NodeSum`), and one more
+        node fence when there is a single slot, before any rank of the node may
+        overwrite its slot."""
+        stats = self.node_sum(index, self.offsets[slot][index], out, add, True)  # type: ignore[misc]
         if self.slots == 1:
-            node.fence()  # every rank has read this bucket
-        comm.count_reduce_scatter(bucket.size, bucket.counts[comm.rank], segment.local.itemsize)
+            self.nodes.node.fence()  # type: ignore[union-attr]  # every rank has read it
+        return stats
 
     def _complete(self, upto: int) -> None:
         """Finish the ``upto`` oldest started reductions, in the order started."""
@@ -404,10 +406,12 @@ class StreamReducer:
         for index, part in enumerate(self.parts):
             if self.reductions[index] == 0:
                 part.grad.fill(0)  # nothing was handed over: a zero gradient
+                self.fused[index] = (0, 0.0)
             visit(index)
 
     def consumed(self) -> None:
         self.reductions = [0] * len(self.parts)
+        self.fused = [None] * len(self.parts)
 
     def discard(self) -> None:
         """Drop every gradient added or reduced since the last step."""

@@ -112,7 +112,8 @@ def floor_bytes(row: Mapping[str, Any]) -> dict[str, int]:
       others' sum is formed (a reduce-scatter plus a copy back costs a little less
       per rank at W > 2), and at W = 1 nothing arrives.
     * ``stats``: the non-finite count and sum of squares read the reduced gradient,
-      ``s``.
+      ``s``; 0 where the reduction's pass computes them (``stats_fused``: one node,
+      the reduction through node memory, :mod:`zerompi.nodesum`).
     * ``adam``: read param, grad, m, v and write param, m, v, ``7*s``, plus ``p``
       when Adam also writes the 16-bit copy of the parameters (``p != s``).
     * ``gather``: stages 1-2 copy the other ranks' parts into this rank's full copy,
@@ -127,7 +128,7 @@ def floor_bytes(row: Mapping[str, Any]) -> dict[str, int]:
     gathers = stage in (1, 2) and not row.get("node_shared", False)
     return {
         "reduce": 2 * r + s if stage == 0 else w * r + s,
-        "stats": s,
+        "stats": 0 if row.get("stats_fused", False) else s,
         "adam": ADAM_ARRAYS * s + (p if p != s else 0),
         "gather": (w - 1) * 2 * p if gathers else 0,
     }

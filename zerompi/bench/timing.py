@@ -116,6 +116,10 @@ def bench_stage(
         grads = {name: g.astype(low) for name, g in grads.items()}
     shared = opt.shared_memory
     node_shared = bool(opt.plan.node_kinds)
+    # the reduction's pass also took the gradient statistics (one node, node memory,
+    # gradients in the master dtype: zerompi.nodesum)
+    node_sum = getattr(opt.reducer, "node_sum", None)
+    stats_fused = bool(node_sum is not None and node_sum.final and not precision[1])
     names = list(grads)
     step_s: list[float] = []
     wall_s: list[float] = []
@@ -173,6 +177,7 @@ def bench_stage(
         # one parameter copy per node (stages 1-2 with shared memory, and stage 3 on one
         # node): Adam writes it in place, no gather copy
         "node_shared": node_shared,
+        "stats_fused": stats_fused,
         "step_ms": slowest_median_ms(comm, step_s),
         "phase_ms": phase_ms,
         "wall_ms": slowest_median_ms(comm, wall_s),

@@ -51,6 +51,7 @@ def step_traffic(
     nodes = -(-world // per)
     peers = [n * per + local for n in range(nodes) if n * per + local < world]
     books: Books = {}
+    low_any = any(is_half(p.reduce) for p in precisions.values())  # stage 1 reduces by MPI
 
     def between(op: str, counts: list[int], it: int) -> tuple[int, int]:
         mine = counts[rank]
@@ -72,7 +73,8 @@ def step_traffic(
             volume = 2 * size * r * (world - 1) // world if world > 1 else 0
             cross = 2 * size * r * far // world
             _book(books, "allreduce", volume, volume, (cross, cross))
-        elif shared and stage >= 2:  # within the node by memory, then across nodes
+        elif shared and (stage >= 2 or (stage == 1 and not low_any)):  # within the node
+            # by memory, then across nodes
             hier = ((region - mine) * m, (nodes - 1) * mine * m) if nodes > 1 else (0, 0)
             _book(books, "reduce_scatter", *rs_textbook, hier)
         else:  # a world reduce-scatter (or its 16-bit alltoallv)

@@ -1,0 +1,118 @@
+"""Sums of gradient parts: the reduction within a node through shared memory.
+
+A node's ranks write their gradients into node shared memory (stage 1's full
+gradient buffers, stages 2-3's staging buckets; :mod:`zerompi.mpi.shm`); after one
+node fence each rank sums its *region* of a bucket (its own shard on one node; over
+several nodes the shards of its local index on every node,
+:class:`zerompi.mpi.nodes.Nodes`) straight from every node rank's buffer, in rank
+order. On one node that sum is the reduced gradient, and the compiled kernel also
+returns its statistics (non-finite count, sum of squares) from the same pass, so the
+step reads the reduced gradient once less (:func:`zerompi.adam.sum_parts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .adam import accumulate, grad_stats
+from .adam import sum_parts as _sum_same
+from .mpi.collectives import Comm
+from .mpi.nodes import Nodes
+from .mpi.shm import SharedSegment
+from .partition import Layout
+from .plan import Run
+
+#: ``(non-finite elements, sum of squares)`` of a reduced bucket, or ``None`` where
+#: the reduction did not compute them (the step's statistics pass does).
+Stats = tuple[int, float] | None
+
+
+def sum_parts(
+    out: np.ndarray, parts: Sequence[np.ndarray], add: bool, stats: bool = False
+) -> Stats:
+    """``out`` (+)= the sum of ``parts`` in rank order, in ``out``'s dtype: never in
+    16 bits when the parts are narrower than ``out`` (no statistics then). ``out``
+    may be one of the parts. An overflow (inf, or inf - inf) is no warning: the
+    step's agreement counts it, and loss scaling expects it."""
+    if parts and parts[0].dtype != out.dtype:  # 16-bit parts: the compiled upcast-add
+        for i, part in enumerate(parts):
+            accumulate(out, part, add or i > 0)
+        return None
+    return _sum_same(out, parts, add, stats)
+
+
+def sum_received(out: np.ndarray, received: np.ndarray, ranks: int, add: bool) -> None:
+    """:func:`sum_parts` of what an ``Alltoallv`` of a bucket delivered: every rank's
+    part of ``len(out)`` elements, one after the other in rank order."""
+    mine = out.shape[0]
+    sum_parts(out, [received[q * mine : (q + 1) * mine] for q in range(ranks)], add)
+
+
+class NodeSum:
+    """The reduction of a bucket within this rank's node: ``segments`` (per dtype,
+    one part per node rank) hold the node ranks' gradients, a bucket at a ``base``
+    offset of each part that the caller gives."""
+
+    def __init__(
+        self, comm: Comm, layout: Layout, nodes: Nodes, segments: Mapping[np.dtype, SharedSegment]
+    ) -> None:
+        self.comm, self.layout, self.node, self.segments = comm, layout, nodes.node, segments
+        #: Per bucket, the (start, stop) pieces of this rank's region.
+        self.regions = [nodes.region(b.counts, b.displs) for b in layout.buckets]
+        #: Whether the sum is the reduced gradient (one node) or goes on across nodes.
+        self.final = nodes.count == 1
+
+    def __call__(self, index: int, base: int, out: np.ndarray, add: bool, fence: bool) -> Stats:
+        """Collective over the node: this rank's region of bucket ``index`` summed
+        over every node rank's part (the bucket at ``base`` in each) into ``out``,
+        after a node fence (``fence``: the caller's first sum since the node's ranks
+        wrote). On one node also the statistics of the result (unless 16-bit)."""
+        bucket = self.layout.buckets[index]
+        segment = self.segments[bucket.dtype]
+        comm = self.comm
+        comm.record_shared("reduce_scatter", index, bucket.size)
+        if fence:
+            self.node.fence()  # every rank's bucket is written
+        stats: Stats = (0, 0.0)
+        at = 0
+        for lo, hi in self.regions[index]:
+            parts = [peer[base + lo : base + hi] for peer in segment.peers]
+            piece = sum_parts(out[at : at + hi - lo], parts, add, self.final)
+            stats = None if piece is None or stats is None else (
+                stats[0] + piece[0], stats[1] + piece[1])  # fmt: skip
+            at += hi - lo
+        comm.count_reduce_scatter(bucket.size, bucket.counts[comm.rank], segment.local.itemsize)
+        return stats if self.final else None
+
+
+class StatsRuns:
+    """The step's gradient statistics (non-finite count, sum of squares), added up
+    run by run of reduced buckets contiguous in memory (:func:`zerompi.plan.runs`): a
+    run's from what its buckets' reductions computed where all of them did, else
+    from one pass over the run."""
+
+    def __init__(self, runs: Sequence[Run], buckets: int) -> None:
+        #: At each run's last bucket: its first bucket, its statistics view and scratch.
+        self.ends: list[tuple[int, np.ndarray, np.ndarray] | None] = [None] * buckets
+        first = 0
+        for run in runs:
+            self.ends[run.last] = (first, run.arrays[0], run.scratch)
+            first = run.last + 1
+
+    def add(self, index: int, fused: Sequence[Stats], out: np.ndarray) -> None:
+        """Bucket ``index`` is reduced: if it ends a run, add the run's statistics
+        to ``out[0]`` (non-finite elements) and ``out[1]`` (sum of squares)."""
+        end = self.ends[index]
+        if end is None:
+            return  # the run goes on
+        first, grad, scratch = end
+        done = fused[first : index + 1]
+        if all(d is not None for d in done):
+            out[0] += sum(d[0] for d in done)  # type: ignore[index]
+            out[1] += sum(d[1] for d in done)  # type: ignore[index]
+        else:
+            bad, sumsq = grad_stats(grad, scratch)
+            out[0] += bad
+            out[1] += sumsq
