@@ -153,6 +153,47 @@ def test_the_node_reduction_matches_the_mpi_one(
     assert_all(not problems, "\n".join(problems[:5]))
 
 
+def test_stage_3_gathers_each_layer_once_per_node(comm: MPI.Intracomm) -> None:
+    """Stage 3 over several nodes with node shared memory: the gather buffers are one
+    copy per node, each layer crosses between nodes once per node (a rank gathers
+    its region; fewer bytes between nodes than the flat ``Allgatherv``, none more
+    within), and training with the prefetch on, in an order that changes, matches the
+    flat path."""
+    params = _params(13)
+    opts = [ZeroOptimizer(params, comm=comm, stage=3, bucket_elems=6, lr=0.05,
+                          shared_memory=shared) for shared in (None, False)]  # fmt: skip
+    nodes, problems = opts[0].nodes, []
+    hier = opts[0].shared_memory and nodes.count > 1
+    layers = opts[0].layers  # (None on one node with shared memory: read in place)
+    node_gathers = layers is not None and layers.node is not None
+    if hier != node_gathers:
+        problems.append(f"node-shared gathers {node_gathers} with {nodes}")
+    between = []
+    rng = np.random.default_rng(5 + comm.rank)
+    for step in range(4):
+        grads = {n: rng.standard_normal(p.shape).astype(p.dtype) for n, p in params.items()}
+        order = list(params) if step % 2 else list(reversed(list(params)))
+        for opt in opts:
+            opt.comm.pop_traffic()
+            for name in order:
+                with opt.gathered(name) as p:
+                    _ = float(p[name].sum())
+            for name in reversed(order):
+                with opt.gathered(name), opt.gradients(name) as g:
+                    g[name][...] += grads[name]
+            opt.step()
+            books = opt.comm.pop_traffic().get("allgather", {})
+            between.append(books.get("received_between", 0))
+    hier_bytes, flat_bytes = sum(between[0::2]), sum(between[1::2])
+    if hier and nodes.size > 1 and not hier_bytes < flat_bytes:
+        problems.append(f"between nodes {hier_bytes} B with the hierarchy, {flat_bytes} flat")
+    for name in params:
+        a, b = (opt.full_params()[name] for opt in opts)
+        if not np.allclose(a, b, rtol=1e-6, atol=1e-7):
+            problems.append(f"{name}: differs from the flat path by {np.max(np.abs(a - b))}")
+    assert_all(not problems, "\n".join(problems[:5]))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_results_are_the_same_run_to_run(comm: MPI.Intracomm, stage: int) -> None:
     """At a given layout (ranks, nodes), training twice from the same start gives

@@ -752,7 +752,7 @@ def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
                        shared_memory=True) as opt:  # fmt: skip
         # the same buffers, but stage 2's parameters are one copy per node, shared out
         used, want = opt.memory_usage(), dict(plain.memory_usage())
-        if opt.plan.node_kinds:  # stage 2, and stage 3 on one node: one copy per node
+        if "params" in opt.plan.node_kinds:  # stages 1-2, stage 3 on one node: one copy
             total = sum(p.nbytes for p in params.values())
             share = comm.allreduce(used["parameter_partitions"])
             if share != total * opt.nodes.count:
@@ -764,6 +764,15 @@ def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
         want["communication_buffers"] += sum(
             b for n, b in opt.memory_buffers().items() if n.startswith("grad_node.")
         )
+        if "param_bucket" in opt.plan.node_kinds:  # stage 3 over several nodes: the
+            # gathered layers are one copy per node, whose shares add up to it
+            mine = {n: b for n, b in opt.memory_buffers().items() if n.startswith("param_b")}
+            full = {n: b for n, b in plain.memory_buffers().items() if n.startswith("param_b")}
+            node = opt.nodes.node.mpi
+            for name, nbytes in full.items():
+                if node.allreduce(mine[name]) != nbytes:
+                    problems.append(f"{name}: the node's shares do not add up to {nbytes}")
+            want["communication_buffers"] += sum(mine.values()) - sum(full.values())
         if used != want:
             problems.append(f"usage {used} vs {want}")
         hand_over(opt, ("a",), rank_grads(TINY, 0, comm.rank))

@@ -79,6 +79,7 @@ class HandOver:
     _closed: bool
     precisions: dict[np.dtype, Any]
     shared_memory: bool
+    nodes: Any
 
     def _prepare_handover(self, stores: Mapping[str, Mapping[np.dtype, np.ndarray]]) -> None:
         """What makes a hand-over O(1): name lookups and the views handed out, cached
@@ -95,6 +96,7 @@ class HandOver:
             self.layers = LayerGather(
                 comm, layout, stores["param_bucket"], gather_slots(self.overlap),
                 self._gather_source,
+                self.nodes if "param_bucket" in self.plan.node_kinds else None,
             )  # fmt: skip
             self._gather_blocks = [[None] * n for _ in range(self.layers.slots)]
 
@@ -232,7 +234,8 @@ class HandOver:
         return block
 
     def _release_gathered(self) -> None:
-        if DEBUG and self._gathered is not None and self.layers is not None:
+        layers = self.layers  # (a node's shared buffer is not this rank's to poison)
+        if DEBUG and self._gathered is not None and layers is not None and layers.node is None:
             index, slot = self._gathered
             self.layers.bufs[slot][index].fill(np.nan)
         self._gathered = None

@@ -215,7 +215,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         self._specs = {spec.name: spec for spec in layout.params}
         self.parts = bucket_parts(self.plan, layout, stores)
         low = any(p.low_params for p in self.precisions.values())
-        node_copy = bool(self.plan.node_kinds)  # one copy per node, that Adam writes
+        node_copy = "params" in self.plan.node_kinds  # one copy per node, that Adam writes
         if self.plan.full_params:
             views = {n: self._view(self._flat, n) for n in self._order}
             for view in views.values() if low else ():

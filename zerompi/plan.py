@@ -76,7 +76,8 @@ def stage_plan(
     into one copy per node, and the gradients of stages 1-3 (stage 1's full buffers
     unless they are 16-bit, ``low_grads``, which are reduced per micro-batch by MPI;
     the staging buckets of 2-3) into node shared memory, reduced within the node
-    there and across nodes by MPI. Stage 3 on
+    there and across nodes by MPI; stage 3 over several nodes gathers each layer
+    once per node, into node shared memory. Stage 3 on
     ``one_node`` keeps that one copy too: the node's ranks' shards together are the
     whole model, so the node holds what it would hold sharded, and a layer is read
     in place instead of gathered."""
@@ -90,7 +91,8 @@ def stage_plan(
         gather="node" if node_copy else ("none" if stage in (0, 3) else "allgatherv"),
         shared_kinds=("grad_bucket",) if shared and stage >= 2 else (
             ("grads",) if shared and stage == 1 and not low_grads else ()),
-        node_kinds=("params",) if node_copy else (),
+        # stage 3 over several nodes: the gathered layers, one copy per node
+        node_kinds=("params",) if node_copy else (("param_bucket",) if shared else ()),
     )
 
 

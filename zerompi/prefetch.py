@@ -13,6 +13,13 @@ results are right whatever the order, only the overlap is lost.
 Every rank makes the same calls in the same order (``gathered`` is collective), so
 every rank makes the same prefetch decisions: the collectives still pair up, and the
 step's fingerprint still sees them.
+
+Over several nodes with node shared memory (``nodes``) the two gather buffers are one
+copy per node: each rank gathers its region of a layer (the shards of its local
+index on every node) across nodes straight into the node's buffer, then one node
+fence publishes the whole layer to the node's ranks. A buffer is written only once
+every rank of the node is done reading it: after that fence (a gather started
+ahead), or after one more fence before a gather that was not.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from .mpi.collectives import Comm, Pending, Planned
+from .mpi.nodes import Nodes
 from .partition import Layout
 
 #: Gathers started ahead and not yet completed, by request: with the prepared
@@ -48,13 +56,16 @@ PREFETCH_MIN_ELEMS = 1 << 15
 
 class LayerGather:
     """Gather buffers and prepared ``Allgatherv`` per bucket and slot; ``slots`` is 2
-    (prefetch, with ``overlap``) or 1 (each gather blocking, one buffer)."""
+    (prefetch, with ``overlap``) or 1 (each gather blocking, one buffer). With
+    ``nodes`` (several nodes, ``store`` node-shared) each gather is the cross-node one
+    of this rank's region, then a node fence."""
 
     def __init__(
         self, comm: Comm, layout: Layout, store: Mapping[np.dtype, np.ndarray], slots: int,
-        source: Callable[[int], np.ndarray],
+        source: Callable[[int], np.ndarray], nodes: Nodes | None = None,
     ) -> None:  # fmt: skip
-        self.slots = slots
+        self.slots, self.comm, self.layout = slots, comm, layout
+        self.node = nodes.node if nodes is not None else None
         width = {d: layout.max_bucket(d) for d in layout.sizes}
         #: bufs[slot][index]: bucket index's gather buffer in slot
         self.bufs: list[list[np.ndarray]] = [
@@ -62,11 +73,17 @@ class LayerGather:
              for b in layout.buckets]
             for s in range(slots)
         ]  # fmt: skip
+        over, peers = comm, range(comm.size)
+        if nodes is not None:
+            assert nodes.cross is not None
+            over, peers = nodes.cross, nodes.peers
         self.plans: list[list[Planned]] = [
-            [comm.plan_allgatherv(buf, b.counts, b.displs, i, send=source(i))
+            [over.plan_allgatherv(buf, [b.counts[r] for r in peers],
+                                  [b.displs[r] for r in peers], i, send=source(i))
              for i, (b, buf) in enumerate(zip(layout.buckets, row, strict=True))]
             for row in self.bufs
         ]  # fmt: skip
+        self.itemsizes = [row.itemsize for row in self.bufs[0]]
         #: whether bucket i is worth gathering ahead
         self.worth = [b.size >= PREFETCH_MIN_ELEMS for b in layout.buckets]
         self.order: list[int] = []  # the first step's gathers, in order
@@ -86,10 +103,14 @@ class LayerGather:
             _AHEAD.pop(id(ahead[2]), None)
             slot = ahead[1]
             if ahead[0] != index:  # the order changed: gather what was asked instead
-                self.following = False
+                self.following = False  # (into a buffer no rank reads since the fence)
                 self.plans[slot][index].run()
         else:
+            if self.node is not None:
+                self.node.fence()  # every rank of the node is done with the buffer
             self.plans[slot][index].run()
+        if self.node is not None:
+            self._publish(index)
         if self.recording:
             self.order.append(index)
         elif self.slots > 1 and self.following:
@@ -105,6 +126,15 @@ class LayerGather:
                 self.following = False
         self.pos += 1
         return slot
+
+    def _publish(self, index: int) -> None:
+        """Node mode: every rank of the node has its region of bucket ``index`` in
+        the node's buffer after one fence. Recorded (and booked) as the world
+        ``Allgatherv`` it replaces."""
+        bucket, comm = self.layout.buckets[index], self.comm
+        comm.record_shared("allgatherv", index, bucket.size)
+        comm.count_allgather(bucket.size, bucket.counts[comm.rank], self.itemsizes[index])
+        self.node.fence()  # type: ignore[union-attr]
 
     def finish(self) -> None:
         """Complete the gather in flight, if any (before the shards change: Adam, a

@@ -115,7 +115,7 @@ def bench_stage(
         low = next(iter(opt.precisions.values())).reduce
         grads = {name: g.astype(low) for name, g in grads.items()}
     shared = opt.shared_memory
-    node_shared = bool(opt.plan.node_kinds)
+    node_shared = "params" in opt.plan.node_kinds
     # the reduction's pass also took the gradient statistics (one node, node memory,
     # gradients in the master dtype: zerompi.nodesum)
     node_sum = getattr(opt.reducer, "node_sum", None)

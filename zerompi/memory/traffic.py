@@ -11,9 +11,9 @@ and only the cross-node step crosses: the node's sums of this rank's region
 ``N - 1`` pieces of ``1/W`` of a bucket instead of ``W - L``.
 
 One step of one micro-batch, whose model enters every stage-3 layer twice (forward
-and backward: two gathers per bucket, as ``python -m zerompi.bench`` does; none on
-one node with shared memory, where stage 3 reads the node's copy in place and the
-step publishes it as stages 1-2 do).
+and backward: two gathers per bucket, as ``python -m zerompi.bench`` does, each across
+nodes once per node with shared memory; none on one node with shared memory, where
+stage 3 reads the node's copy in place and the step publishes it as stages 1-2 do).
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ def step_traffic(
             _book(books, "allgather", *ag_textbook, hier)
         elif stage in (1, 2):
             _book(books, "allgather", *ag_textbook, between("allgatherv", counts, p))
-        elif stage == 3:  # forward and backward
+        elif stage == 3:  # forward and backward: across nodes once per node, or flat
+            hier = ((nodes - 1) * mine * p, (region - mine) * p)
             for _ in range(2):
-                _book(books, "allgather", *ag_textbook, between("allgatherv", counts, p))
+                _book(books, "allgather", *ag_textbook,
+                      hier if shared else between("allgatherv", counts, p))  # fmt: skip
     return books
