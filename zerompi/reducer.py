@@ -204,11 +204,9 @@ class StreamReducer:
         self.layout = layout
         self.parts = parts
         self.slots = slots
-        self.segments = segments
         self.nodes = nodes
-        #: Per bucket, the (start, stop) pieces of this rank's region (its own shard
-        #: on one node); over several nodes, per slot and bucket, where the node's sum
-        #: of the region goes (what the cross-node reduce-scatter sends), and per
+        #: Over several nodes, per slot and bucket, where the node's sum of this
+        #: rank's region goes (what the cross-node reduce-scatter sends), and per
         #: bucket the cross-node counts.
         self.node_views: list[list[np.ndarray]] = []
         self.cross_counts: list[list[int]] = []
