@@ -153,12 +153,14 @@ def test_the_node_reduction_matches_the_mpi_one(
     assert_all(not problems, "\n".join(problems[:5]))
 
 
-def test_stage_3_gathers_each_layer_once_per_node(comm: MPI.Intracomm) -> None:
+def test_stage_3_gathers_each_layer_once_per_node(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Stage 3 over several nodes with node shared memory: the gather buffers are one
     copy per node, each layer crosses between nodes once per node (a rank gathers
     its region; fewer bytes between nodes than the flat ``Allgatherv``, none more
-    within), and training with the prefetch on, in an order that changes, matches the
-    flat path."""
+    within), training with the prefetch on, in an order that changes, matches the
+    flat path, and ``ZEROMPI_DEBUG`` does not poison the shared buffer."""
     params = _params(13)
     opts = [ZeroOptimizer(params, comm=comm, stage=3, bucket_elems=6, lr=0.05,
                           shared_memory=shared) for shared in (None, False)]  # fmt: skip
@@ -191,7 +193,28 @@ def test_stage_3_gathers_each_layer_once_per_node(comm: MPI.Intracomm) -> None:
         a, b = (opt.full_params()[name] for opt in opts)
         if not np.allclose(a, b, rtol=1e-6, atol=1e-7):
             problems.append(f"{name}: differs from the flat path by {np.max(np.abs(a - b))}")
+    if node_gathers:  # ZEROMPI_DEBUG does not poison a buffer other ranks may read
+        import zerompi.handover as handover
+
+        monkeypatch.setattr(handover, "DEBUG", True)
+        name = next(iter(params))
+        with opts[0].gathered(name):
+            pass
+        index = opts[0].layout.bucket_of[name]
+        if not all(np.isfinite(row[index]).all() for row in layers.bufs):  # type: ignore[union-attr]
+            problems.append("ZEROMPI_DEBUG poisoned the node's shared gather buffer")
     assert_all(not problems, "\n".join(problems[:5]))
+
+
+def test_16_bit_stage_1_gradients_reduce_over_mpi(comm: MPI.Intracomm) -> None:
+    """Stage 1's 16-bit gradients are reduced at every micro-batch, through MPI: their
+    full buffers stay private (the parameters still are one copy per node)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    del ml_dtypes
+    opt = ZeroOptimizer(_params(), comm=comm, stage=1, bucket_elems=6,
+                        reduce_dtype="bfloat16", shared_memory=None)  # fmt: skip
+    ok = opt.reducer.node_sum is None and "grads" not in opt.plan.shared_kinds
+    assert_all(ok, f"16-bit stage 1 gradients in node memory: {opt.plan}")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
