@@ -75,7 +75,7 @@ def test_one_parameter_copy_per_node(comm: MPI.Intracomm, stage: int) -> None:
     total = sum(p.nbytes for p in params.values())
     opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=6, lr=0.1)
     nodes, problems = opt.nodes, []
-    if opt.shared_memory != (comm.size > 1 and nodes.uniform):
+    if opt.shared_memory != (comm.size > 1 and nodes.uniform and nodes.size > 1):
         problems.append(f"shared_memory {opt.shared_memory} with {nodes}")
     node = nodes.node.mpi
     if opt.shared_memory:
@@ -281,8 +281,9 @@ def test_no_room_in_dev_shm_falls_back_by_default(
         problems.append("shared memory in use without room, or when refused")
     if insisted.shared_memory != insisted.nodes.uniform:
         problems.append("shared_memory=True did not insist")
-    expected = comm.size > 1 and comm.rank == 0
-    why = "too little room" if default.nodes.uniform else "different numbers of ranks"
+    nodes = default.nodes  # (one rank per node shares nothing by default: no notice)
+    expected = comm.size > 1 and comm.rank == 0 and not (nodes.uniform and nodes.size == 1)
+    why = "too little room" if nodes.uniform else "different numbers of ranks"
     if ("not using node shared memory" in said and why in said) != expected:
         problems.append(f"notice on rank {comm.rank}: {said!r}")
     if quiet:
