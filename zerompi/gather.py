@@ -4,8 +4,9 @@
   parameters stay sharded; ``opt.gathered`` gathers a layer when it is used);
 * :class:`MPIGather`: ``Iallgatherv`` of each bucket as soon as Adam has updated this
   rank's part of it, advanced between the Adam chunks of the next buckets;
-* :class:`NodeGather`: stages 1-2 (3 on one node) with one copy of the parameters per node: Adam
-  writes it in place; only the other nodes' parts are gathered, then one fence.
+* :class:`NodeGather`: stages 1-2 (3 on one node) with one copy of the parameters
+  per node: Adam writes it in place; only the other nodes' parts are gathered, then
+  one fence.
 """
 
 from __future__ import annotations
@@ -52,11 +53,10 @@ class MPIGather(NoGather):
 
 class NodeGather(NoGather):
     """Stages 1-2 (and 3 on one node) with one node-shared copy of the parameters:
-    Adam wrote this rank's
-    part of it in place. Over several nodes the ranks of each local index gather
-    their shards across nodes (``Iallgatherv`` on the cross-node communicator,
-    started per bucket as Adam finishes it) straight into their node's copy; then
-    one node fence publishes the copy to every rank of the node."""
+    Adam wrote this rank's part of it in place. Over several nodes the ranks of each
+    local index gather their shards across nodes (``Iallgatherv`` on the cross-node
+    communicator, started per bucket as Adam finishes it) straight into their node's
+    copy; then one node fence publishes the copy to every rank of the node."""
 
     def __init__(self, comm: Comm, nodes: Nodes, layout: Layout, parts: Sequence[Part]) -> None:
         self.comm, self.layout, self.node, self.cross = comm, layout, nodes.node, nodes.cross

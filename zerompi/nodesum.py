@@ -75,16 +75,14 @@ class NodeSum:
         comm.record_shared("reduce_scatter", index, bucket.size)
         if fence:
             self.node.fence()  # every rank's bucket is written
-        stats: Stats = (0, 0.0)
+        stats: Stats = None  # on one node the region is one piece: the own shard
         at = 0
         for lo, hi in self.regions[index]:
             parts = [peer[base + lo : base + hi] for peer in segment.peers]
-            piece = sum_parts(out[at : at + hi - lo], parts, add, self.final)
-            stats = None if piece is None or stats is None else (
-                stats[0] + piece[0], stats[1] + piece[1])  # fmt: skip
+            stats = sum_parts(out[at : at + hi - lo], parts, add, self.final)
             at += hi - lo
         comm.count_reduce_scatter(bucket.size, bucket.counts[comm.rank], segment.local.itemsize)
-        return stats if self.final else None
+        return stats
 
 
 class StatsRuns:

@@ -14,7 +14,9 @@ stage   parameters  gradients             Adam moments   reduction / gather
 
 (The MPI path. With node shared memory, :func:`stage_plan`'s ``node_kinds`` and
 ``shared_kinds``: one parameter copy per node in stages 1-2 and in 3 on one node,
-the staging buckets of 2-3 summed within a node; see :mod:`zerompi.mpi.nodes`.)
+stage 3's gathered layers once per node over several; stage 1's full gradient
+buffers and the staging buckets of 2-3 summed within a node; see
+:mod:`zerompi.mpi.nodes` and :mod:`zerompi.nodesum`.)
 
 The step never asks which stage it runs: it reduces (a :mod:`zerompi.reducer`), reads
 each bucket's :class:`Part`, runs Adam on ``part.param`` with ``part.grad`` and the
@@ -72,15 +74,15 @@ class StagePlan:
 def stage_plan(
     stage: int, shared_memory: bool, one_node: bool = False, low_grads: bool = False
 ) -> StagePlan:
-    """The plan of ``stage``; ``shared_memory`` puts the parameters of stages 1-2
-    into one copy per node, and the gradients of stages 1-3 (stage 1's full buffers
-    unless they are 16-bit, ``low_grads``, which are reduced per micro-batch by MPI;
-    the staging buckets of 2-3) into node shared memory, reduced within the node
-    there and across nodes by MPI; stage 3 over several nodes gathers each layer
-    once per node, into node shared memory. Stage 3 on
-    ``one_node`` keeps that one copy too: the node's ranks' shards together are the
-    whole model, so the node holds what it would hold sharded, and a layer is read
-    in place instead of gathered."""
+    """The plan of ``stage``. With ``shared_memory``:
+
+    * the parameters are one copy per node at stages 1-2, and at stage 3 on
+      ``one_node`` too (the node's ranks' shards together are the whole model, so the
+      node holds what it would hold sharded, and a layer is read in place); stage 3
+      over several nodes keeps its gathered layers once per node instead;
+    * the gradients live in node shared memory, summed within the node there and
+      across nodes by MPI: the staging buckets of stages 2-3, and stage 1's full
+      buffers unless they are 16-bit (``low_grads``: reduced per micro-batch by MPI)."""
     shared = shared_memory and stage >= 1
     node_copy = shared and (stage <= 2 or one_node)
     return StagePlan(

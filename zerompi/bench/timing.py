@@ -118,7 +118,7 @@ def bench_stage(
     node_shared = "params" in opt.plan.node_kinds
     # the reduction's pass also took the gradient statistics (one node, node memory,
     # gradients in the master dtype: zerompi.nodesum)
-    node_sum = getattr(opt.reducer, "node_sum", None)
+    node_sum = opt.reducer.node_sum
     stats_fused = bool(node_sum is not None and node_sum.final and not precision[1])
     names = list(grads)
     step_s: list[float] = []
