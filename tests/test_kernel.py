@@ -329,6 +329,17 @@ def test_sum_parts_in_rank_order_with_stats(variant, kernel, dtype, ranks):
 
 
 @needs_c
+@pytest.mark.parametrize("kernel", ["c", "numpy"])
+def test_sum_parts_statistics_beyond_float64(kernel):
+    """Finite float64 sums whose squares leave float64's range: no non-finite element,
+    an infinite sum of squares (grad_stats' convention), by both kernels."""
+    big = np.full(40, 1e200)
+    for total in (adam.sum_parts(np.empty(40), [big, big], False, True, kernel=kernel),
+                  adam.sum_parts_compiled(np.empty(40), [big, big], False, True)):
+        assert total == (0, np.inf)
+
+
+@needs_c
 def test_sum_parts_refuses_bad_arrays():
     a = np.zeros(8, np.float32)
     with pytest.raises(ValueError, match="part 1 is not 8 elements"):

@@ -336,11 +336,7 @@ def sum_parts(
     if (kernel or KERNEL) == "c" and out.flags.c_contiguous and all(
         p.flags.c_contiguous for p in parts
     ):
-        result = _kernels.sum_parts(out, parts, add, stats, variant=variant or VARIANT)
-        if result is None or result[0] or math.isfinite(result[1]):
-            return result
-        # finite float64 squares beyond float64's range: grad_stats rescales
-        return grad_stats(out, np.empty(min(BLOCK, out.shape[0]), out.dtype))
+        return sum_parts_compiled(out, parts, add, stats, variant)
     n = out.shape[0]
     with np.errstate(over="ignore", invalid="ignore"):
         aliased = any(np.may_share_memory(out, p) for p in parts)
@@ -361,6 +357,20 @@ def sum_parts(
     if not stats:
         return None
     return grad_stats(out, np.empty(min(BLOCK, max(n, 1)), out.dtype), kernel="numpy")
+
+
+def sum_parts_compiled(
+    out: np.ndarray, parts: Sequence[np.ndarray], add: bool, stats: bool,
+    variant: str | None = None,
+) -> tuple[int, float] | None:  # fmt: skip
+    """:func:`sum_parts` by the C kernel alone (which must be built), without the
+    checks: for a caller whose arrays are contiguous and of ``out``'s float dtype by
+    construction (the reduction within a node, once per bucket and micro-batch)."""
+    result = _kernels.sum_parts(out, parts, add, stats, variant=variant or VARIANT)
+    if result is None or result[0] or math.isfinite(result[1]):
+        return result
+    # finite float64 squares beyond float64's range: grad_stats rescales
+    return grad_stats(out, np.empty(min(BLOCK, out.shape[0]), out.dtype))
 
 
 #: Elements per ``np.dot`` in :func:`grad_stats`: bounds the float32 accumulation error

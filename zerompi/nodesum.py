@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .adam import accumulate, grad_stats
+from . import adam
+from .adam import accumulate, grad_stats, sum_parts_compiled
 from .adam import sum_parts as _sum_same
 from .mpi.collectives import Comm
 from .mpi.nodes import Nodes
@@ -63,6 +64,10 @@ class NodeSum:
         self.regions = [nodes.region(b.counts, b.displs) for b in layout.buckets]
         #: Whether the sum is the reduced gradient (one node) or goes on across nodes.
         self.final = nodes.count == 1
+        #: Per master dtype, whether the compiled kernel sums its parts as they are
+        #: (same dtype, contiguous slices): one call per bucket, no checks.
+        self.compiled = {d: adam.KERNEL == "c" and s.local.dtype == d
+                         for d, s in segments.items()}  # fmt: skip
 
     def __call__(self, index: int, base: int, out: np.ndarray, add: bool, fence: bool) -> Stats:
         """Collective over the node: this rank's region of bucket ``index`` summed
@@ -75,11 +80,12 @@ class NodeSum:
         comm.record_shared("reduce_scatter", index, bucket.size)
         if fence:
             self.node.fence()  # every rank's bucket is written
+        total = sum_parts_compiled if self.compiled[bucket.dtype] else sum_parts
         stats: Stats = None  # on one node the region is one piece: the own shard
         at = 0
         for lo, hi in self.regions[index]:
             parts = [peer[base + lo : base + hi] for peer in segment.peers]
-            stats = sum_parts(out[at : at + hi - lo], parts, add, self.final)
+            stats = total(out[at : at + hi - lo], parts, add, self.final)
             at += hi - lo
         comm.count_reduce_scatter(bucket.size, bucket.counts[comm.rank], segment.local.itemsize)
         return stats
