@@ -328,6 +328,34 @@ def test_sum_parts_in_rank_order_with_stats(variant, kernel, dtype, ranks):
             assert bad == 2 and not np.isfinite(total), n
 
 
+@variants
+@pytest.mark.parametrize("kernel", ["c", "numpy"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_sum_parts_clear_leaves_the_parts_zero(variant, kernel, dtype, ranks):
+    """``clear`` (the staging slots' sum within a node): the same sum and statistics
+    as without it, and every part zero afterwards, except a part that is ``out``,
+    which holds the sum; nothing outside the parts is touched."""
+    if kernel == "c" and adam._kernels is None:
+        pytest.skip("zerompi._kernels is not built")
+    variant = _variant(variant) if kernel == "c" else None
+    rng = np.random.default_rng(ranks + 10)
+    for n in LENGTHS:
+        for into, add in [(-1, False), (-1, True), *((q, False) for q in range(ranks))]:
+            backing = [rng.standard_normal(n + 2).astype(dtype) for _ in range(ranks)]
+            mine = [b[1 : n + 1] for b in backing]  # a guard element on each side
+            edges = [(b[0], b[-1]) for b in backing]
+            out = rng.standard_normal(n).astype(dtype) if into < 0 else mine[into]
+            want = _sum_in_order(out, [p.copy() for p in mine], add)
+            want_stats = adam.sum_parts(want.copy(), [want.copy()], False, True, kernel="numpy")
+            got = adam.sum_parts(out, mine, add, True, kernel=kernel, variant=variant, clear=True)
+            assert np.array_equal(out, want), (n, into, add)
+            assert got is not None and got[0] == want_stats[0], (n, into, add)
+            for q, part in enumerate(mine):
+                assert q == into or not part.any(), (n, into, add, q)
+            assert [(b[0], b[-1]) for b in backing] == edges, (n, into, add)
+
+
 @needs_c
 @pytest.mark.parametrize("kernel", ["c", "numpy"])
 def test_sum_parts_statistics_beyond_float64(kernel):

@@ -204,22 +204,24 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
  * written, LANES at a time. */
 #define SUM_BLOCK 512 /* elements summed in a local (L1) block: a multiple of LANES */
 #define SUM_LOOP(NAME, ATTR, T)                                                          \
-    ATTR static void NAME(T *out, const T *const *parts, int k, Py_ssize_t n, int add,   \
-                          int stats, Py_ssize_t *nonfinite, double *sumsq) {             \
+    ATTR static void NAME(T *out, T *const *parts, int k, Py_ssize_t n, int add,         \
+                          int stats, int clear, Py_ssize_t *nonfinite, double *sumsq) {  \
         double acc[LANES] = {0.0}, total = 0.0;                                          \
         T buf[SUM_BLOCK];                                                                \
         Py_ssize_t bad = 0;                                                              \
         for (Py_ssize_t lo = 0; lo < n; lo += SUM_BLOCK) {                               \
             const Py_ssize_t len = n - lo < SUM_BLOCK ? n - lo : SUM_BLOCK;               \
-            const T *p0 = parts[0] + lo;                                                 \
+            T *p0 = parts[0] + lo;                                                       \
             T *o = out + lo;                                                             \
             if (add)                                                                     \
                 for (Py_ssize_t j = 0; j < len; j++) buf[j] = o[j] + p0[j];              \
             else                                                                         \
                 for (Py_ssize_t j = 0; j < len; j++) buf[j] = p0[j];                     \
+            if (clear) memset(p0, 0, (size_t)len * sizeof(T));                          \
             for (int q = 1; q < k; q++) {                                                \
-                const T *pq = parts[q] + lo;                                             \
+                T *pq = parts[q] + lo;                                                   \
                 for (Py_ssize_t j = 0; j < len; j++) buf[j] = buf[j] + pq[j];            \
+                if (clear) memset(pq, 0, (size_t)len * sizeof(T));                       \
             }                                                                            \
             for (Py_ssize_t j = 0; j < len; j++) o[j] = buf[j];                          \
             if (!stats) continue;                                                        \
@@ -253,9 +255,9 @@ typedef void (*round_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize
 typedef void (*round_f64_fn)(const double *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*stats_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t *, double *);
 typedef void (*stats_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t *, double *);
-typedef void (*sum_f32_fn)(float *, const float *const *, int, Py_ssize_t, int, int,
+typedef void (*sum_f32_fn)(float *, float *const *, int, Py_ssize_t, int, int, int,
                            Py_ssize_t *, double *);
-typedef void (*sum_f64_fn)(double *, const double *const *, int, Py_ssize_t, int, int,
+typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int, int,
                            Py_ssize_t *, double *);
 
 /* One set of loops per variant (ATTR: its target attribute). */
@@ -695,23 +697,25 @@ grad_stats(PyObject *self, PyObject *args, PyObject *kwargs)
 }
 
 PyDoc_STRVAR(sum_parts_doc,
-"sum_parts(out, parts, add, stats, *, variant=None) -> (nonfinite, sumsq) or None\n\n"
+"sum_parts(out, parts, add, stats, *, clear=False, variant=None) -> (nonfinite, sumsq) or None\n\n"
 "out[i] = parts[0][i] + parts[1][i] + ... (add false) or out[i] + parts[0][i] + ...\n"
 "(add true), summed in that order in out's dtype; out and every part contiguous\n"
 "float32/float64 arrays of one dtype and length (out may be one of the parts). With\n"
-"stats, also what grad_stats(out) returns afterwards, from the same pass.");
+"stats, also what grad_stats(out) returns afterwards, from the same pass. With\n"
+"clear, every part is set to zero as it is read (parts writable; out, written\n"
+"last, ends with the sum even where it is one of the parts).");
 
 #define MAX_PARTS 256
 
 static PyObject *
 sum_parts(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"out", "parts", "add", "stats", "variant", NULL};
+    static char *kwlist[] = {"out", "parts", "add", "stats", "clear", "variant", NULL};
     PyObject *out_obj, *parts_obj, *result = NULL;
-    int add, stats;
+    int add, stats, clear = 0;
     const char *variant_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOpp|$z", kwlist, &out_obj, &parts_obj,
-                                     &add, &stats, &variant_name))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOpp|$pz", kwlist, &out_obj, &parts_obj,
+                                     &add, &stats, &clear, &variant_name))
         return NULL;
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
@@ -724,7 +728,7 @@ sum_parts(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     Py_buffer out, views[MAX_PARTS];
-    const void *ptrs[MAX_PARTS];
+    void *ptrs[MAX_PARTS];
     Py_ssize_t got = 0;
     if (get_vector(out_obj, &out, 1, "out") < 0) {
         Py_DECREF(seq);
@@ -738,7 +742,7 @@ sum_parts(PyObject *self, PyObject *args, PyObject *kwargs)
         goto done;
     }
     for (; got < k; got++) {
-        if (get_vector(PySequence_Fast_GET_ITEM(seq, got), &views[got], 0, "each part") < 0)
+        if (get_vector(PySequence_Fast_GET_ITEM(seq, got), &views[got], clear, "each part") < 0)
             goto done;
         if (element_kind(&views[got]) != kind || views[got].len != out.len) {
             PyErr_Format(PyExc_ValueError, "part %zd is not %zd elements of out's dtype",
@@ -752,10 +756,10 @@ sum_parts(PyObject *self, PyObject *args, PyObject *kwargs)
     double total = 0.0;
     Py_BEGIN_ALLOW_THREADS
     if (kind == 'f')
-        sum_float_v[variant](out.buf, (const float *const *)ptrs, (int)k, n, add, stats, &bad,
-                             &total);
+        sum_float_v[variant](out.buf, (float *const *)ptrs, (int)k, n, add, stats, clear,
+                             &bad, &total);
     else
-        sum_double_v[variant](out.buf, (const double *const *)ptrs, (int)k, n, add, stats,
+        sum_double_v[variant](out.buf, (double *const *)ptrs, (int)k, n, add, stats, clear,
                               &bad, &total);
     Py_END_ALLOW_THREADS
     if (stats)

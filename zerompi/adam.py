@@ -324,19 +324,22 @@ def round_low(
 
 def sum_parts(
     out: np.ndarray, parts: Sequence[np.ndarray], add: bool, stats: bool = False,
-    kernel: str | None = None, variant: str | None = None,
+    kernel: str | None = None, variant: str | None = None, clear: bool = False,
 ) -> tuple[int, float] | None:  # fmt: skip
     """``out[...] = parts[0] + parts[1] + ...`` (or ``out + parts[0] + ...`` with
     ``add``), summed in that order in ``out``'s dtype, the parts of ``out``'s dtype and
     length; ``out`` may be one of them. With ``stats``, also :func:`grad_stats` of
     the result: the C kernel computes both in one pass over memory (the reduction
-    within a node reads each byte once), the numpy one in two."""
+    within a node reads each byte once), the numpy one in two. With ``clear``, every
+    part is left zero (a part that is ``out`` holds the sum): the C kernel writes the
+    zeros in the same pass, while each block is in the cache, so a buffer that
+    gradients are added into next needs no zeroing pass of its own."""
     if kernel is not None and kernel != KERNEL:
         kernel = _choose_kernel(kernel)
     if (kernel or KERNEL) == "c" and out.flags.c_contiguous and all(
         p.flags.c_contiguous for p in parts
     ):
-        return sum_parts_compiled(out, parts, add, stats, variant)
+        return sum_parts_compiled(out, parts, add, stats, variant, clear)
     n = out.shape[0]
     with np.errstate(over="ignore", invalid="ignore"):
         aliased = any(np.may_share_memory(out, p) for p in parts)
@@ -354,6 +357,10 @@ def sum_parts(
                 np.add(acc, part[lo:hi], out=acc)
             if tmp is not None:
                 np.copyto(o, acc)
+    if clear:
+        for part in parts:
+            if not np.may_share_memory(part, out):
+                part.fill(0)
     if not stats:
         return None
     return grad_stats(out, np.empty(min(BLOCK, max(n, 1)), out.dtype), kernel="numpy")
@@ -361,12 +368,12 @@ def sum_parts(
 
 def sum_parts_compiled(
     out: np.ndarray, parts: Sequence[np.ndarray], add: bool, stats: bool,
-    variant: str | None = None,
+    variant: str | None = None, clear: bool = False,
 ) -> tuple[int, float] | None:  # fmt: skip
     """:func:`sum_parts` by the C kernel alone (which must be built), without the
     checks: for a caller whose arrays are contiguous and of ``out``'s float dtype by
     construction (the reduction within a node, once per bucket and micro-batch)."""
-    result = _kernels.sum_parts(out, parts, add, stats, variant=variant or VARIANT)
+    result = _kernels.sum_parts(out, parts, add, stats, clear=clear, variant=variant or VARIANT)
     if result is None or result[0] or math.isfinite(result[1]):
         return result
     # finite float64 squares beyond float64's range: grad_stats rescales

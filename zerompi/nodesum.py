@@ -31,17 +31,21 @@ Stats = tuple[int, float] | None
 
 
 def sum_parts(
-    out: np.ndarray, parts: Sequence[np.ndarray], add: bool, stats: bool = False
-) -> Stats:
+    out: np.ndarray, parts: Sequence[np.ndarray], add: bool, stats: bool = False,
+    variant: str | None = None, clear: bool = False,
+) -> Stats:  # fmt: skip
     """``out`` (+)= the sum of ``parts`` in rank order, in ``out``'s dtype: never in
     16 bits when the parts are narrower than ``out`` (no statistics then). ``out``
-    may be one of the parts. An overflow (inf, or inf - inf) is no warning: the
-    step's agreement counts it, and loss scaling expects it."""
+    may be one of the parts. ``clear`` leaves the parts zero (see
+    :func:`zerompi.adam.sum_parts`). An overflow (inf, or inf - inf) is no warning:
+    the step's agreement counts it, and loss scaling expects it."""
     if parts and parts[0].dtype != out.dtype:  # 16-bit parts: the compiled upcast-add
         for i, part in enumerate(parts):
             accumulate(out, part, add or i > 0)
+            if clear:
+                part.fill(0)
         return None
-    return _sum_same(out, parts, add, stats)
+    return _sum_same(out, parts, add, stats, variant=variant, clear=clear)
 
 
 def sum_received(out: np.ndarray, received: np.ndarray, ranks: int, add: bool) -> None:
@@ -69,11 +73,16 @@ class NodeSum:
         self.compiled = {d: adam.KERNEL == "c" and s.local.dtype == d
                          for d, s in segments.items()}  # fmt: skip
 
-    def __call__(self, index: int, base: int, out: np.ndarray, add: bool, fence: bool) -> Stats:
+    def __call__(
+        self, index: int, base: int, out: np.ndarray, add: bool, fence: bool, clear: bool = False
+    ) -> Stats:
         """Collective over the node: this rank's region of bucket ``index`` summed
         over every node rank's part (the bucket at ``base`` in each) into ``out``,
         after a node fence (``fence``: the caller's first sum since the node's ranks
-        wrote). On one node also the statistics of the result (unless 16-bit)."""
+        wrote). On one node also the statistics of the result (unless 16-bit).
+        ``clear`` zeroes the region in every part in the same pass: once every node
+        rank did, the bucket is zero in every part (the regions cover it), ready for
+        the next gradients without a zeroing pass."""
         bucket = self.layout.buckets[index]
         segment = self.segments[bucket.dtype]
         comm = self.comm
@@ -85,7 +94,7 @@ class NodeSum:
         at = 0
         for lo, hi in self.regions[index]:
             parts = [peer[base + lo : base + hi] for peer in segment.peers]
-            stats = total(out[at : at + hi - lo], parts, add, self.final)
+            stats = total(out[at : at + hi - lo], parts, add, self.final, None, clear)
             at += hi - lo
         comm.count_reduce_scatter(bucket.size, bucket.counts[comm.rank], segment.local.itemsize)
         return stats

@@ -8,7 +8,7 @@
 * :class:`StreamReducer` (stages 2-3): gradients are handed over bucket by bucket
   into a staging slot and reduced as soon as a bucket is complete, while the model
   computes the next one; two backends: ``Ireduce_scatter`` straight into the gradient
-  shard (MPI), or sums read from the peers' staging slots in node shared memory.
+  shard (MPI), or sums read (and zeroed) from the peers' slots in node shared memory.
 
 Both expose ``reduce(visit)``: ``visit(index)`` is called in bucket order as soon as
 bucket ``index``'s reduced gradient (``parts[index].grad``) is complete.
@@ -52,10 +52,7 @@ class FullReducer:
         recv: Mapping[np.dtype, np.ndarray] | None = None, node_sum: NodeSum | None = None,
         nodes: Nodes | None = None, node_sums: Mapping[np.dtype, np.ndarray] | None = None,
     ) -> None:  # fmt: skip
-        self.comm = comm
-        self.layout = layout
-        self.parts = parts
-        self.allreduce = allreduce
+        self.comm, self.layout, self.parts, self.allreduce = comm, layout, parts, allreduce
         self.split = bool(recv)
         self.node_sum = node_sum
         #: Per bucket, its statistics when its reduction computed them (one node).
@@ -122,9 +119,9 @@ class FullReducer:
         if self.node_sum is not None:  # within the node from shared memory (then across)
             base, first = self.layout.buckets[index].start, index == 0
             if not self.planned:  # one node: the sum is the reduced gradient
-                self.fused[index] = self.node_sum(index, base, part.grad, False, first)
+                self.fused[index] = self.node_sum(index, base, part.grad, False, first, True)
                 return Pending.done(part.grad)
-            self.node_sum(index, base, self.node_views[index], False, first)
+            self.node_sum(index, base, self.node_views[index], False, first, True)
             return self.planned[index].start()
         if self.split:  # reduced already; stage 0 gathers the reduced shards
             if self.allreduce:
@@ -146,16 +143,16 @@ class FullReducer:
             visit(index)
 
     def consumed(self) -> None:
-        """After Adam: the full gradients were reduced in place; start from zero.
-        (In node shared memory the step's last node fence came first: no rank of the
-        node still reads them.)"""
+        """After Adam: the full gradients were reduced in place; start from zero. In
+        node shared memory the sums zeroed what they read, but this rank's own shard
+        (the step's agreement came after every rank's sums: none still writes)."""
         self.micro = 0
         self.fused = [None] * len(self.parts)
         if self.split:
             return  # zeroed at every micro-batch; the reduced shards are overwritten
         for part in self.parts:
             assert part.full_grad is not None
-            part.full_grad.fill(0)
+            (part.full_grad if self.node_sum is None else part.grad).fill(0)
 
     def discard(self) -> None:
         self.micro = 0
@@ -241,6 +238,9 @@ class StreamReducer:
         self.reductions = [0] * len(parts)  # per bucket, this step
         self.open: int | None = None  # bucket whose gradients fill the open slot
         self.slot = 0
+        #: Per slot, its leading elements zero in every node rank's part (zeroed by
+        #: the sum within a node as it read them, so not zeroed again at ``begin``).
+        self.clean = [0] * slots
         #: its parameters not handed over yet (``None``: all of them)
         self.pending: set[str] | None = None
         self.inflight: list[_Reduction] = []
@@ -279,7 +279,9 @@ class StreamReducer:
             self._release(slot)
         self.slot = slot
         buf = self.views[slot][index]
-        buf.fill(0)
+        if self.clean[slot] < buf.shape[0]:
+            buf[self.clean[slot] :].fill(0)
+        self.clean[slot] = 0  # written from now on
         self.open = index
         self.pending = None
         return buf
@@ -368,10 +370,10 @@ class StreamReducer:
 
     def _shared_reduce(self, index: int, slot: int, out: np.ndarray, add: bool) -> Stats:
         """Blocking: this rank's region of bucket ``index`` summed over the node's
-        staging slots into ``out`` (:class:`zerompi.nodesum.NodeSum`), and one more
-        node fence when there is a single slot, before any rank of the node may
-        overwrite its slot."""
-        stats = self.node_sum(index, self.offsets[slot][index], out, add, True)  # type: ignore[misc]
+        staging slots into ``out`` and zeroed (:class:`zerompi.nodesum.NodeSum`), and
+        one more node fence with a single slot, before a rank of the node reuses it."""
+        stats = self.node_sum(index, self.offsets[slot][index], out, add, True, True)  # type: ignore[misc]
+        self.clean[slot] = self.layout.buckets[index].size  # every rank zeroed its region
         if self.slots == 1:
             self.nodes.node.fence()  # type: ignore[union-attr]  # every rank has read it
         return stats
