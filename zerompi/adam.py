@@ -330,10 +330,9 @@ def sum_parts(
     ``add``), summed in that order in ``out``'s dtype, the parts of ``out``'s dtype and
     length; ``out`` may be one of them. With ``stats``, also :func:`grad_stats` of
     the result: the C kernel computes both in one pass over memory (the reduction
-    within a node reads each byte once), the numpy one in two. With ``clear``, every
-    part is left zero (a part that is ``out`` holds the sum): the C kernel writes the
-    zeros in the same pass, while each block is in the cache, so a buffer that
-    gradients are added into next needs no zeroing pass of its own."""
+    within a node reads each byte once), the numpy one in two. ``clear`` leaves every
+    part zero (a part that is ``out`` holds the sum): the C kernel zeroes each block
+    as it reads it, so the buffers need no zeroing pass before the next gradients."""
     if kernel is not None and kernel != KERNEL:
         kernel = _choose_kernel(kernel)
     if (kernel or KERNEL) == "c" and out.flags.c_contiguous and all(
