@@ -57,11 +57,6 @@ if TYPE_CHECKING:
 
 __all__ = ["PHASES", "ZeroOptimizer"]
 
-#: Elements per Adam call in ``step()``: between calls, MPI advances the gathers of
-#: the buckets already updated (without a progress thread, it moves data only inside
-#: MPI calls). ~1 MiB of float32: far above the per-call cost, well below a bucket.
-ADAM_CHUNK = 1 << 18
-
 
 class ZeroOptimizer(HandOver, OptimizerState):
     """Sharded Adam/AdamW (stage 0 baseline, ZeRO stages 1-3) over an MPI communicator.
@@ -393,11 +388,12 @@ class ZeroOptimizer(HandOver, OptimizerState):
         clock = time.perf_counter
         adam_s = gather_s = 0.0
         step_count, config, gatherer = self.step_count, self.config, self.gatherer
+        chunk = gatherer.chunk
         key = sr_key(step_count) if self.rounding == "stochastic" else None
         for run, base in zip(self._adam_runs, self._low_bases, strict=True):
             (param, grad, m, v, low), scratch = run.arrays, run.scratch
-            for lo in range(0, param.shape[0], ADAM_CHUNK):
-                hi = lo + ADAM_CHUNK
+            for lo in range(0, param.shape[0], chunk):
+                hi = lo + chunk
                 sr = None if key is None or low is None else (key, base + lo)
                 t1 = clock()
                 adam_step(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step_count, config,
