@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,7 @@ from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_
 from .plan import StagePlan, bucket_parts, choose_shared, runs, stage_plan
 from .precision import low_base, precision_settings
 from .reducer import FullReducer, StreamReducer
+from .settings import adam_segments, group_configs
 from .state import PHASES, OptimizerState
 
 if TYPE_CHECKING:
@@ -83,16 +84,14 @@ class ZeroOptimizer(HandOver, OptimizerState):
     torch's ``clip_grad_norm_``.
 
     Mixed precision (:mod:`zerompi.precision`): ``param_dtype`` (``"bfloat16"``,
-    ``"float16"``) is the dtype of the parameters the model reads and of the gather;
-    ``reduce_dtype`` that of the gradients it hands over and of the reduction's wire,
-    summed in the arrays' own dtype, which the master copy and the moments keep.
-    ``loss_scale`` (``"dynamic"``, a number; dynamic by default for float16
-    gradients): the model multiplies its loss gradient by ``opt.loss_scale``.
-    ``rounding="stochastic"`` rounds the bfloat16 copy stochastically.
-
-    ``timeout`` (seconds; default ``$ZEROMPI_TIMEOUT``, else 600; ``0`` or ``"none"``
-    disables): any wait inside zerompi longer than this (a rank that never entered a
-    collective) prints a diagnosis and aborts the job (:mod:`zerompi.mpi.watchdog`).
+    ``"float16"``) is the dtype the model reads and the gather moves, ``reduce_dtype``
+    that of the gradients it hands over and of the reduction's wire; ``loss_scale``
+    (``"dynamic"``, a number): the model multiplies its loss gradient by
+    ``opt.loss_scale``. ``rounding="stochastic"`` rounds the bfloat16 copy so.
+    ``param_groups`` (torch's): other settings for the parameters a group lists
+    (:mod:`zerompi.settings`); ``set_hyperparameters`` changes them between steps.
+    ``timeout`` (seconds; default ``$ZEROMPI_TIMEOUT``, else 600; ``0``/``"none"``:
+    off) bounds every wait inside zerompi, then aborts (:mod:`zerompi.mpi.watchdog`).
     """
 
     def __init__(
@@ -117,6 +116,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         reduce_dtype: object = None,
         loss_scale: object = None,
         rounding: str = "nearest",
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         install_abort_hook()  # an uncaught exception on any rank aborts the whole job
         self.comm = Comm(comm, timeout=0)  # the watchdog is armed once settings agree
@@ -133,6 +133,8 @@ class ZeroOptimizer(HandOver, OptimizerState):
             except (TypeError, ValueError):
                 raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
             self.config = AdamConfig(lr, b1, b2, eps, weight_decay, decoupled_weight_decay)
+            names = [name for name, _, _ in specs]
+            self.configs, self._member = group_configs(self.config, param_groups, names)
             self.layout = optimizer_layout(
                 specs, self.comm.size, self.comm.rank, stage, bucket_elems, group_of
             )
@@ -157,8 +159,8 @@ class ZeroOptimizer(HandOver, OptimizerState):
             "the parameter layout (name, shape, dtype, group)",
         )
         comm_.check_same(
-            (stage, self.config, int(bucket_elems)),
-            "the optimizer settings (stage, hyperparameters, bucket_elems)",
+            (stage, self.configs, sorted(self._member.items()), int(bucket_elems)),
+            "the optimizer settings (stage, hyperparameters, param_groups, bucket_elems)",
         )
         comm_.check_same(
             (self.max_norm, self.nonfinite), "the failure settings (max_norm, nonfinite)"
@@ -231,6 +233,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         #: rounding's random stream (the same at every step's same position).
         lows = [a for k in ("params", "params_low") for a in stores.get(k, {}).values()]
         self._low_bases = [low_base(run.arrays[4], lows) for run in self._adam_runs]
+        self._segments = adam_segments(self.layout, stage, self._adam_runs, self._member)
         self._stats_runs = StatsRuns(runs(self.parts, ("stats",), merge=True), len(self.parts))
         self._prepare_handover(stores)
         segments = {b.master: pool.segments[b.name] for b, *_ in plan
@@ -387,13 +390,14 @@ class ZeroOptimizer(HandOver, OptimizerState):
         starts as soon as its part is updated and advances between the chunks."""
         clock = time.perf_counter
         adam_s = gather_s = 0.0
-        step_count, config, gatherer = self.step_count, self.config, self.gatherer
+        step_count, configs, gatherer = self.step_count, self.configs, self.gatherer
         chunk = gatherer.chunk
         key = sr_key(step_count) if self.rounding == "stochastic" else None
-        for run, base in zip(self._adam_runs, self._low_bases, strict=True):
+        for run, base, segs in zip(self._adam_runs, self._low_bases, self._segments, strict=True):
             (param, grad, m, v, low), scratch = run.arrays, run.scratch
-            for lo in range(0, param.shape[0], chunk):
-                hi = lo + chunk
+            for lo, hi, config in ((lo, min(lo + chunk, stop), configs[group])
+                                   for start, stop, group in segs
+                                   for lo in range(start, stop, chunk)):  # fmt: skip
                 sr = None if key is None or low is None else (key, base + lo)
                 t1 = clock()
                 adam_step(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step_count, config,

@@ -4,13 +4,16 @@ attribute). A mixin of :class:`zerompi.optimizer.ZeroOptimizer`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .adam import round_low
+from .mpi.agreement import OP_CODE
 from .plan import shard_of
+from .settings import SETTINGS, settings_token
 
 if TYPE_CHECKING:
     from .adam import AdamConfig
@@ -33,6 +36,8 @@ class OptimizerState:
     plan: StagePlan
     pool: BufferPool
     config: AdamConfig
+    configs: list[AdamConfig]
+    _member: dict[str, int]
     stage: int
     step_count: int
     skipped_steps: int
@@ -181,11 +186,45 @@ class OptimizerState:
 
     def hyperparameters(self) -> dict[str, Any]:
         """Adam's settings, as a checkpoint records them."""
-        c = self.config
-        return {
-            "lr": c.lr, "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps,
-            "weight_decay": c.weight_decay, "decoupled": c.decoupled,
-        }  # fmt: skip
+        def of(c: AdamConfig) -> dict[str, Any]:
+            return {"lr": c.lr, "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps,
+                    "weight_decay": c.weight_decay}  # fmt: skip
+
+        out = {**of(self.config), "decoupled": self.config.decoupled}
+        if len(self.configs) > 1:  # the groups after group 0, and their parameters
+            names = [[n for n, g in self._member.items() if g == i]
+                     for i in range(1, len(self.configs))]  # fmt: skip
+            pairs = zip(self.configs[1:], names, strict=True)
+            out["param_groups"] = [{**of(c), "params": ns} for c, ns in pairs]
+        return out
+
+    def param_group(self, name: str) -> int:
+        """The parameter group of parameter ``name`` (0: the constructor's settings;
+        ``i``: the ``i``-th of ``param_groups``)."""
+        return self._member[name]
+
+    def set_hyperparameters(self, group: int = 0, **settings: float) -> None:
+        """Change a parameter group's Adam settings from the next step on (a learning
+        rate schedule): any of ``lr``, ``beta1``, ``beta2``, ``eps``,
+        ``weight_decay``, checked as at construction; ``group`` 0 is the
+        constructor's (:mod:`zerompi.settings`). Call it alike on every rank: the
+        settings enter the collective fingerprint, so ranks that set different ones
+        fail the next ``step()`` on every rank with :class:`CollectiveError` before
+        Adam runs, instead of training apart. Checkpoints record the settings."""
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise TypeError(f"set_hyperparameters: unknown setting(s) {unknown}; "
+                            f"it takes {', '.join(SETTINGS)}")  # fmt: skip
+        if not 0 <= group < len(self.configs):
+            raise ValueError(f"set_hyperparameters: no parameter group {group!r} "
+                             f"({len(self.configs)} group(s))")  # fmt: skip
+        config = dataclasses.replace(self.configs[group], **settings)
+        self.configs[group] = config
+        if group == 0:
+            self.config = config
+        self.comm.fingerprint.record(
+            OP_CODE["set_hyperparameters"], -1, settings_token(group, config)
+        )
 
     def precision_settings(self) -> dict[str, Any]:
         """The precision a checkpoint was saved with (it holds the master precision

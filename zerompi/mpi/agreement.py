@@ -29,7 +29,7 @@ class CollectiveError(ValueError):
 
 
 #: Operation codes in a fingerprint (ints: their hash is the same in every process).
-OPS = ("reduce_scatter", "allgatherv", "allreduce", "bcast", "alltoallv")
+OPS = ("reduce_scatter", "allgatherv", "allreduce", "bcast", "alltoallv", "set_hyperparameters")
 OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 _MASK26 = (1 << 26) - 1
@@ -78,6 +78,8 @@ def describe_call(call: tuple[int, int, int] | None, describe: Callable[[int], s
     if call is None:
         return "no call"
     op, tag, count = call
+    if OPS[op] == "set_hyperparameters":  # count: the settings' hash
+        return f"set_hyperparameters (settings {count:#x})"
     where = f" of {describe(tag)}" if tag >= 0 else ""
     return f"{OPS[op]}{where} ({count} elements)"
 

@@ -1,0 +1,107 @@
+"""The ``torch.optim.Optimizer`` face of a :class:`zerompi.ZeroOptimizer`.
+
+``param_groups`` are torch's own dictionaries, so ``torch.optim.lr_scheduler``
+classes work unchanged: whatever a scheduler (or the user) writes into a group
+between steps — ``lr``, ``betas``, ``eps``, ``weight_decay`` — is handed to
+:meth:`zerompi.ZeroOptimizer.set_hyperparameters` at the next ``step()`` for the
+zerompi parameter group it stands for (:mod:`zerompi.settings`), which also checks
+that every rank set the same. Groups are fixed at ``shard()``: ``add_param_group``
+is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .. import ZeroOptimizer
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """``step()``, ``zero_grad()``, ``param_groups``, ``save``/``load`` over ``zero``.
+
+    ``grads_are_buffers`` (stages 0-1): each parameter's ``.grad`` is a view of
+    zerompi's gradient buffer, zeroed in place by ``zero_grad()`` and by the step
+    (torch keeps gradients after ``step()``; here they are consumed by it)."""
+
+    def __init__(
+        self,
+        zero: ZeroOptimizer,
+        groups: Sequence[tuple[int, Sequence[torch.nn.Parameter]]],
+        grad_views: dict[torch.nn.Parameter, torch.Tensor] | None,
+    ) -> None:
+        def settings(i: int) -> dict[str, Any]:
+            c = zero.configs[i]
+            return {"lr": c.lr, "betas": (c.beta1, c.beta2), "eps": c.eps,
+                    "weight_decay": c.weight_decay}  # fmt: skip
+
+        self._building = True
+        super().__init__([{"params": list(ps), **settings(i)} for i, ps in groups], settings(0))
+        self._building = False
+        self.zero = zero
+        #: per torch group, the zerompi group it stands for
+        self.zero_groups = [i for i, _ in groups]
+        self._grad_views = grad_views
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_building", False):
+            raise NotImplementedError(
+                "zerompi.torch: the parameter groups are fixed at shard() (its "
+                "param_groups argument)"
+            )
+        super().add_param_group(param_group)
+
+    def _settings(self, group: dict[str, Any], c: Any) -> dict[str, float]:
+        """The torch group's settings that differ from its zerompi group's ``c``."""
+        b1, b2 = group["betas"]
+        wanted = {
+            "lr": float(group["lr"]), "beta1": float(b1), "beta2": float(b2),
+            "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
+        }  # fmt: skip
+        return {k: v for k, v in wanted.items() if getattr(c, k) != v}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Collective: the zerompi step (reduce, agree, Adam, publish) with the
+        group's current settings. ``closure`` re-evaluates the loss, as in torch."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, index in zip(self.param_groups, self.zero_groups, strict=True):
+            changed = self._settings(group, self.zero.configs[index])
+            if changed:
+                self.zero.set_hyperparameters(group=index, **changed)
+        self.zero.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients added since the last step (no collective). At stages
+        0-1 ``.grad`` stays the (zeroed) buffer whatever ``set_to_none`` says: it is
+        where the next backward adds."""
+        self.zero.zero_grad()
+        if self._grad_views is not None:
+            for param, view in self._grad_views.items():
+                param.grad = view
+        else:
+            for group in self.param_groups:
+                for param in group["params"]:
+                    param.grad = None
+
+    def save(self, path: str) -> None:
+        """Collective: zerompi's single-file checkpoint (:mod:`zerompi.checkpoint`),
+        keyed by the module's parameter names; loadable at any world size and stage."""
+        self.zero.save(path)
+
+    def load(self, path: str) -> dict:
+        """Collective: restore parameters, moments and step count (the module's
+        parameters are the restored values: they are views of the same buffers)."""
+        return self.zero.load(path)
+
+    def close(self) -> None:
+        """Collective: release zerompi's buffers' shared memory (the module keeps its
+        parameter views valid)."""
+        self.zero.close()

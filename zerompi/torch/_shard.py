@@ -1,0 +1,196 @@
+"""``shard(model, ...)``: a torch module's parameters moved into a ZeroOptimizer.
+
+What it does, collectively on every rank of ``comm``:
+
+1. checks the module where torch can differ between ranks (device, dtypes) and
+   raises on every rank if any rank's is wrong (:meth:`zerompi.mpi.collectives.Comm.agree`);
+   the ZeroOptimizer then checks names, shapes and order the same way;
+2. builds the optimizer on the trainable parameters (``named_parameters()``: a tied
+   parameter once), initial values from rank 0;
+3. makes every trainable parameter a view of zerompi's full parameter buffer
+   (``param.data = torch.from_numpy(...)``; with node shared memory, of the node's
+   one copy), and broadcasts frozen parameters and module buffers from rank 0;
+4. routes gradients: stages 0-1 set ``.grad`` to a view of zerompi's gradient
+   buffer (autograd then adds into it in place; a hook folds in a gradient that
+   landed elsewhere, e.g. after ``model.zero_grad()`` set it to ``None``); stage 2
+   registers a post-accumulate-grad hook per parameter that adds its gradient into
+   the bucket's staging buffer (``opt.gradients``) and drops torch's copy, so a
+   bucket is reduce-scattered as soon as its last parameter's gradient exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..mpi.collectives import Comm
+from ..partition import DEFAULT_BUCKET_ELEMS
+from ._optim import ShardedOptimizer
+
+#: torch dtypes a parameter the optimizer steps on may have (the master dtype).
+MASTER_DTYPES = (torch.float32, torch.float64)
+
+
+def _check_settings(stage: int, param_dtype: object, reduce_dtype: object) -> None:
+    """What this adapter does not do yet (arguments: the same on every rank)."""
+    if stage not in (0, 1, 2):
+        raise NotImplementedError(
+            f"zerompi.torch: stage {stage} is not supported yet (stages 0, 1 and 2 are)"
+        )
+    if param_dtype is not None or reduce_dtype is not None:
+        raise NotImplementedError(
+            "zerompi.torch: param_dtype / reduce_dtype are not supported yet; keep the "
+            "model in float32"
+        )
+
+
+def _check_module(model: torch.nn.Module) -> None:
+    """This rank's problems with ``model``, as one exception."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"shard() takes a torch.nn.Module, got {type(model).__name__}")
+    trainable = 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{name!r} is on device {tensor.device}: zerompi.torch trains "
+                             "CPU models (move the model with model.cpu() first)")  # fmt: skip
+        if tensor.is_sparse:
+            raise ValueError(f"{name!r} is a sparse tensor: not supported")
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        trainable += 1
+        if param.dtype not in MASTER_DTYPES:
+            raise TypeError(f"parameter {name!r} is {param.dtype}: trainable parameters must "
+                            "be float32 or float64 (the dtype Adam keeps)")  # fmt: skip
+    if trainable == 0:
+        raise ValueError("the module has no trainable parameter (requires_grad=True)")
+
+
+def _named_groups(
+    groups: list[dict[str, Any]] | None, named: list[tuple[str, torch.nn.Parameter]]
+) -> list[dict[str, Any]] | None:
+    """torch's ``param_groups`` with each parameter replaced by its name (the same on
+    every rank: the ZeroOptimizer checks the groups collectively)."""
+    if groups is None:
+        return None
+    names = {id(p): n for n, p in named}
+    out = []
+    for i, group in enumerate(groups):
+        params = group.get("params", []) if isinstance(group, dict) else None
+        if params is None or isinstance(params, torch.Tensor):
+            params = [params] if isinstance(params, torch.Tensor) else params
+        if params is None:
+            raise TypeError(f"param_groups[{i}] must be a dict with a 'params' list")
+        listed = []
+        for p in params:
+            if isinstance(p, str):
+                listed.append(p)
+            elif id(p) in names:
+                listed.append(names[id(p)])
+            else:
+                raise ValueError(f"param_groups[{i}] lists a tensor that is not a trainable "
+                                 "parameter of the module")  # fmt: skip
+        out.append({**group, "params": listed})
+    return out
+
+
+def _broadcast_rest(comm: Comm, model: torch.nn.Module) -> None:
+    """Frozen parameters and buffers from rank 0, in ``named_*`` order."""
+    frozen = [p for _, p in model.named_parameters() if not p.requires_grad]
+    for tensor in [*frozen, *(b for _, b in model.named_buffers())]:
+        with torch.no_grad():
+            data = tensor.detach()
+            array = np.ascontiguousarray(data.numpy())
+            comm.bcast_inplace(array)
+            if not np.shares_memory(array, data.numpy()):
+                data.copy_(torch.from_numpy(array))
+
+
+def _stage_2_hook(zero: Any, name: str) -> Any:
+    def hand_over(param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        with zero.gradients(name) as staged:
+            dst = staged[name]
+            np.add(dst, grad.numpy(), out=dst)
+        param.grad = None  # torch's copy is folded in
+
+    return hand_over
+
+
+def _buffer_hook(view: torch.Tensor) -> Any:
+    def keep_in_buffer(param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        if grad is not view:  # autograd made a new tensor (.grad was None): fold it in
+            if grad.data_ptr() != view.data_ptr():
+                view.add_(grad)
+            param.grad = view
+
+    return keep_in_buffer
+
+
+def shard(
+    model: torch.nn.Module,
+    *,
+    stage: int = 2,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    decoupled_weight_decay: bool = True,
+    comm: Any = None,
+    bucket_elems: int = DEFAULT_BUCKET_ELEMS,
+    max_norm: float | None = None,
+    shared_memory: bool | None = None,
+    timeout: float | str | None = None,
+    param_dtype: object = None,
+    reduce_dtype: object = None,
+    param_groups: list[dict[str, Any]] | None = None,
+) -> tuple[torch.nn.Module, ShardedOptimizer]:
+    """Collective: shard ``model``'s trainable parameters over ``comm`` (default
+    ``COMM_WORLD``) at ``stage`` and return ``(model, optimizer)``; the module is
+    changed in place (its parameters become views of zerompi's buffers).
+
+    Defaults are ``torch.optim.AdamW``'s (``decoupled_weight_decay=False``: ``Adam``
+    with an L2 term). ``max_norm`` clips the global gradient norm (torch's
+    ``clip_grad_norm_``) inside the step. ``param_groups``: torch's list of dicts,
+    ``{"params": [parameters or their names], "lr": ..., "weight_decay": ...}``;
+    a trainable parameter no group lists keeps the arguments' settings. Any error
+    is raised on every rank."""
+    from .. import ZeroOptimizer
+
+    _check_settings(stage, param_dtype, reduce_dtype)
+    check = Comm(comm, timeout=0)
+    error: BaseException | None = None
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = None
+    try:
+        _check_module(model)
+        groups = _named_groups(param_groups, named)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    check.agree(error)
+    arrays = {name: param.detach().numpy() for name, param in named}
+    zero = ZeroOptimizer(
+        arrays, comm=comm, stage=stage, lr=lr, betas=betas, eps=eps,
+        weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+        bucket_elems=bucket_elems, max_norm=max_norm, shared_memory=shared_memory,
+        timeout=timeout, param_groups=groups,
+    )  # fmt: skip
+    _broadcast_rest(zero.comm, model)
+    grad_views: dict[torch.nn.Parameter, torch.Tensor] | None = {} if stage < 2 else None
+    with torch.no_grad():
+        for name, param in named:
+            param.data = torch.from_numpy(zero.params[name])
+            param.grad = None
+            if grad_views is not None:
+                view = torch.from_numpy(zero.grads[name])
+                grad_views[param] = param.grad = view
+                param.register_post_accumulate_grad_hook(_buffer_hook(view))
+            else:
+                param.register_post_accumulate_grad_hook(_stage_2_hook(zero, name))
+    torch_groups = [(i, [p for n, p in named if zero.param_group(n) == i])
+                    for i in range(len(zero.configs))]  # fmt: skip
+    torch_groups = [(i, ps) for i, ps in torch_groups if ps or i > 0]
+    return model, ShardedOptimizer(zero, torch_groups, grad_views)

@@ -1,0 +1,141 @@
+"""Parity of ``zerompi.torch.shard`` with single-process torch, as a table.
+
+    mpiexec -n W python -m zerompi.torch.parity [--steps 5]
+
+Trains a small model with what real models have (an embedding tied to the output
+head, a residual MLP block, a frozen layer, LayerNorm, a buffer) at every supported
+stage with AdamW and with Adam + L2, each rank on its slice of every global
+micro-batch, two ``backward()`` calls per step and a ``StepLR`` schedule, and with
+AdamW over two parameter groups (decay and no decay, two learning rates); a copy of
+the model trains in every process on the whole global batch with
+``torch.optim.AdamW`` / ``Adam``. Prints, per stage and optimizer, the largest
+difference of any parameter to the reference, absolute and relative to the
+parameter's largest magnitude. ``tests/test_torch.py`` requires relative ≤ 1e-5.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from ._shard import shard
+
+VOCAB, DIM, ROWS = 13, 8, 3  # ROWS per rank and micro-batch
+STAGES = (0, 1, 2)
+#: (decoupled weight decay, two parameter groups, name)
+VARIANTS = ((True, False, "AdamW"), (False, False, "Adam+L2"), (True, True, "AdamW 2 groups"))
+
+
+class Tiny(torch.nn.Module):
+    """Embedding, a residual MLP block, a frozen linear layer, LayerNorm, a buffer,
+    and an output head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.up = torch.nn.Linear(DIM, 2 * DIM)
+        self.down = torch.nn.Linear(2 * DIM, DIM)
+        self.frozen = torch.nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = h + self.down(torch.tanh(self.up(h)))
+        h = self.norm(self.frozen(h)) * self.scale
+        return h @ self.emb.weight.T  # the tied head
+
+
+def make_model(seed: int) -> Tiny:
+    torch.manual_seed(seed)
+    return Tiny()
+
+
+def batch(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global micro-batch: ``world * ROWS`` (input, target) token pairs."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    idx = torch.randint(0, VOCAB, (world * ROWS,), generator=g)
+    return idx, torch.randint(0, VOCAB, (world * ROWS,), generator=g)
+
+
+def loss_of(model: torch.nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(idx), target)
+
+
+def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """The usual two groups: matrices decay, vectors (biases, norms) do not and take
+    a smaller learning rate here."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    vectors = [p for p in trainable if p.dim() < 2]
+    return [{"params": [p for p in trainable if p.dim() >= 2]},
+            {"params": vectors, "weight_decay": 0.0, "lr": 1e-2}]  # fmt: skip
+
+
+def compare(
+    comm: Any, stage: int, decoupled: bool, steps: int = 5, groups: bool = False
+) -> dict[str, Any]:
+    """Collective over ``comm``: train both; per parameter ``(absolute, relative)``
+    difference to the reference, the two final learning rates, and whether the
+    buffers are rank 0's. Rank-dependent initial values: ``shard`` must take rank
+    0's everywhere. ``groups``: with :func:`param_groups` on both sides."""
+    rank, world = comm.rank, comm.size
+    model = make_model(rank)
+    model, opt = shard(model, stage=stage, comm=comm, lr=3e-2, weight_decay=0.05,
+                       decoupled_weight_decay=decoupled, bucket_elems=40,
+                       param_groups=param_groups(model) if groups else None)  # fmt: skip
+    ref = make_model(0)
+    ref_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    ref_params = param_groups(ref) if groups else [p for p in ref.parameters() if p.requires_grad]
+    ref_opt = ref_cls(ref_params, lr=3e-2, weight_decay=0.05)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref_opt)]
+    mine = slice(rank * ROWS, (rank + 1) * ROWS)
+    for step in range(steps):
+        for micro in range(2):
+            idx, target = batch(step, micro, world)
+            loss_of(model, idx[mine], target[mine]).backward()
+            loss_of(ref, idx, target).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for sched in scheds:
+            sched.step()
+    got = dict(model.named_parameters())
+    diffs = {}
+    for name, param in ref.named_parameters():
+        diff = (got[name] - param).abs().max().item()
+        diffs[name] = (diff, diff / max(param.abs().max().item(), 1e-30))
+    buffers = dict(model.named_buffers())
+    same = all(torch.equal(buffers[n], b) for n, b in ref.named_buffers())
+    lrs = ([opt.zero.configs[i].lr for i in opt.zero_groups], scheds[1].get_last_lr())
+    opt.close()
+    return {"diffs": diffs, "lrs": lrs, "buffers_from_rank_0": same}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from mpi4py import MPI
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0:
+        print(f"zerompi.torch parity: W={comm.size}, torch {torch.__version__}, float32, "
+              f"{args.steps} steps of 2 backward() each; max over parameters, ranks")
+        print(f"{'stage':>5} {'optimizer':>14} {'max abs diff':>13} "
+              f"{'max rel diff':>13}")
+    for stage in STAGES:
+        for decoupled, groups, name in VARIANTS:
+            result = compare(comm, stage, decoupled, args.steps, groups)
+            worst = [max(d[i] for d in result["diffs"].values()) for i in (0, 1)]
+            worst = [comm.allreduce(w, op=MPI.MAX) for w in worst]
+            if comm.rank == 0:
+                print(f"{stage:>5} {name:>14} {worst[0]:>13.3g} {worst[1]:>13.3g}")
+
+
+if __name__ == "__main__":
+    main()
