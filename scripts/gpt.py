@@ -1,0 +1,126 @@
+"""A small GPT-style language model trained with zerompi.torch on data it generates.
+
+    mpiexec -n 4 python scripts/gpt.py --stage 2 [--steps 200 --layers 2 --dim 128 ...]
+
+The model: token and position embeddings, ``--layers`` pre-norm blocks (causal
+self-attention through ``scaled_dot_product_attention``, a GELU MLP), a final
+LayerNorm and an output head tied to the token embedding; AdamW over two parameter
+groups (matrices decay, biases/norms/position embeddings do not), linear warm-up then
+cosine decay (``torch.optim.lr_scheduler.LambdaLR``). The data: each sequence is a
+random run of ``--seq // 2`` tokens written twice, so the second half can be
+predicted from the first (copying, which attention learns in a few hundred steps:
+the loss on the second half falls from about ln(vocab) towards 0; on the first half it
+cannot fall below ln(vocab)). Each rank draws its own rows of every global batch.
+Rank 0 prints the loss (mean over the ranks) and tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from zerompi.torch import shard
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab: int, seq: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(dim)
+        torch.nn.init.normal_(self.tok.weight, std=0.02)
+        torch.nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.tok.weight.T  # the head tied to the embedding
+
+
+def batch(step: int, rank: int, rows: int, seq: int, vocab: int) -> torch.Tensor:
+    """This rank's ``rows`` sequences of the step: a random half written twice."""
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    half = torch.randint(0, vocab, (rows, seq // 2 + 1), generator=g)
+    return torch.cat([half, half[:, : seq + 1 - half.shape[1]]], dim=1)  # seq + 1 tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=16, help="sequences per rank and step")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--every", type=int, default=20, help="print every this many steps")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core per rank
+    comm = MPI.COMM_WORLD
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.seq, args.dim, args.layers, args.heads)
+    trainable = list(model.parameters())
+    decay = [p for p in trainable if p.dim() >= 2 and p is not model.pos]
+    no_decay = [p for p in trainable if p.dim() < 2] + [model.pos]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    model, opt = shard(model, stage=args.stage, lr=args.lr, weight_decay=0.1,
+                       betas=(0.9, 0.95), param_groups=groups, max_norm=1.0)  # fmt: skip
+    warm = max(1, args.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / args.steps))))  # fmt: skip
+    if comm.rank == 0:
+        n = sum(p.numel() for p in trainable)
+        print(f"gpt: {n:,} parameters, stage {args.stage}, {comm.size} rank(s), "
+              f"{args.rows * comm.size} sequences of {args.seq} tokens per step")  # fmt: skip
+    start, tokens = time.perf_counter(), 0
+    half = args.seq // 2
+    for step in range(args.steps):
+        data = batch(step, comm.rank, args.rows, args.seq, args.vocab)
+        logits = model(data[:, :-1])
+        losses = F.cross_entropy(logits.transpose(1, 2), data[:, 1:], reduction="none")
+        losses.mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        tokens += args.rows * args.seq * comm.size
+        if step % args.every == 0 or step == args.steps - 1:
+            second = comm.allreduce(losses[:, half:].mean().item()) / comm.size
+            whole = comm.allreduce(losses.mean().item()) / comm.size
+            rate = tokens / (time.perf_counter() - start)
+            if comm.rank == 0:
+                print(f"step {step:4d}  loss {whole:.3f}  second half {second:.3f}  "
+                      f"{rate:,.0f} tokens/s")  # fmt: skip
+    opt.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The README's "Using it" code is ``scripts/example.py``, and it trains.
+
+Serial run only (a subprocess ``mpiexec``, as in ``tests/test_failures.py``)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from test_failures import run
+from test_harness import mpiexec
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "scripts" / "example.py"
+
+
+def test_the_readme_shows_the_example() -> None:
+    """The first code block under "Using it" is the example from its imports on."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Using it") :]
+    block = re.search(r"```python\n(.*?)```\n", section, re.S)
+    code = EXAMPLE.read_text()
+    assert block is not None
+    assert block.group(1) == code[code.index("import numpy as np") :]
+
+
+@pytest.mark.mpi_skip
+def test_the_example_runs_and_its_loss_falls() -> None:
+    status, out, _ = run([mpiexec(), "-n", "2", sys.executable, str(EXAMPLE)], timeout=120)
+    losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+    assert status == 0, out
+    assert len(losses) == 6 and losses[-1] < 0.5 * losses[0], out
