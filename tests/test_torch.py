@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from helpers import assert_all
 from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
+from zerompi import checkpoint  # noqa: E402
 from zerompi.torch import shard  # noqa: E402
 from zerompi.torch.parity import batch, compare, loss_of, make_model  # noqa: E402
 
@@ -82,6 +84,48 @@ def test_parameters_are_views_and_gradients_land_in_zerompi(
             problems.append(f"{name}: stage 2 left torch's gradient")
     opt.step()
     opt.close()
+    assert_all(not problems, "\n".join(problems[:6]))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_checkpoints_are_keyed_by_the_module_names(
+    comm: MPI.Intracomm, stage: int, mpi_tmp_path: Path
+) -> None:
+    """``optimizer.save`` writes zerompi's file under the module's parameter names
+    (``zerompi.checkpoint.read`` sees ``model.state_dict()``'s keys); ``load`` into
+    a fresh module (its initial values) at another stage restores its trainable
+    parameters (views of the same buffers) and Adam state, so the next steps match
+    (within float32 rounding: the two stages may sum the ranks' gradients in another
+    order)."""
+    root = comm.bcast(MPI.COMM_WORLD.rank, root=0)
+    path = str(mpi_tmp_path / f"torch-{stage}-w{comm.size}-r{root}.zmpi")
+    runs = []
+    for restart in (False, True):
+        model, opt = shard(make_model(0), stage=stage, comm=comm, bucket_elems=40)
+        steps = range(2) if restart else range(4)
+        for step in steps:
+            if restart and step == 0:
+                model2, opt2 = shard(make_model(0), stage=3 - stage, comm=comm)
+                opt2.load(path)  # at the other stage
+                model, opt = model2, opt2
+            if not restart and step == 2:
+                opt.save(path)
+            idx, target = batch(step + (2 if restart else 0), 0, 1)
+            loss_of(model, idx, target).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        opt.close()
+    problems = []
+    saved = checkpoint.read(path)["params"]
+    state = make_model(0).state_dict()
+    if sorted(saved) != sorted(n for n, p in make_model(0).named_parameters() if p.requires_grad):
+        problems.append(f"saved names {sorted(saved)}")
+    if set(saved) - set(state):
+        problems.append("saved names are not state_dict() keys")
+    for name, want in runs[0].items():
+        if not torch.allclose(runs[1][name], want, rtol=1e-5, atol=1e-7):
+            problems.append(f"{name}: resumed run differs by {(runs[1][name] - want).abs().max()}")
     assert_all(not problems, "\n".join(problems[:6]))
 
 
