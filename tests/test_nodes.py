@@ -225,6 +225,42 @@ def test_16_bit_stage_1_gradients_reduce_over_mpi(comm: MPI.Intracomm) -> None:
     assert_all(ok, f"16-bit stage 1 gradients in node memory: {opt.plan}")
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_discarded_hand_over_never_reaches_a_later_step(comm: MPI.Intracomm, stage: int) -> None:
+    """Part of a bucket handed over, then ``zero_grad()``: its staging slot is left
+    written, and whichever bucket takes that slot next (of either dtype: each dtype
+    has its own staging, the slots are numbered alike) must not see it. Against the
+    reference on the steps' own gradients."""
+    params = _params(9)
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=6, lr=0.05)
+    ref = ReferenceAdam(params, lr=0.05)
+
+    def grads(step: int, rank: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([step, rank])
+        return {n: rng.standard_normal(p.shape).astype(p.dtype) for n, p in params.items()}
+
+    # Two staging slots taken in turn: the discarded half-bucket (float32) leaves its
+    # slot written, the float64 bucket is summed in that slot next, and in the
+    # following step (no discarded hand-over) the float32 bucket "b.w" takes it.
+    order = ["b.w", "c.w", "a.w", "a.b"]
+    for step in range(6):
+        if step % 2 == 0:
+            with opt.gathered("a.w"), opt.gradients("a.w") as g:  # half of [a.w, a.b]
+                g["a.w"][...] += 1000.0
+            opt.zero_grad()
+        mine = grads(step, comm.rank)
+        for name in order:
+            with opt.gathered(name), opt.gradients(name) as g:
+                g[name][...] += mine[name]
+        opt.step()
+        every = [grads(step, r) for r in range(comm.size)]
+        ref.step({n: sum(g[n] for g in every) / comm.size for n in params})
+    full = opt.full_params()
+    problems = [f"{n}: differs by {np.max(np.abs(full[n] - ref.params[n]))}" for n in params
+                if not np.allclose(full[n], ref.params[n], rtol=1e-4, atol=1e-6)]  # fmt: skip
+    assert_all(not problems, "\n".join(problems))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_results_are_the_same_run_to_run(comm: MPI.Intracomm, stage: int) -> None:
     """At a given layout (ranks, nodes), training twice from the same start gives

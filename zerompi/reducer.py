@@ -197,11 +197,8 @@ class StreamReducer:
         recv: Mapping[np.dtype, np.ndarray] | None = None,
         nodes: Nodes | None = None, node_sums: Mapping[np.dtype, np.ndarray] | None = None,
     ) -> None:  # fmt: skip
-        self.comm = comm
-        self.layout = layout
-        self.parts = parts
-        self.slots = slots
-        self.nodes = nodes
+        self.comm, self.layout, self.parts = comm, layout, parts
+        self.slots, self.nodes = slots, nodes
         #: Over several nodes, per slot and bucket, where the node's sum of this
         #: rank's region goes (what the cross-node reduce-scatter sends), and per
         #: bucket the cross-node counts.
@@ -238,9 +235,10 @@ class StreamReducer:
         self.reductions = [0] * len(parts)  # per bucket, this step
         self.open: int | None = None  # bucket whose gradients fill the open slot
         self.slot = 0
-        #: Per slot, its leading elements zero in every node rank's part (zeroed by
-        #: the sum within a node as it read them, so not zeroed again at ``begin``).
-        self.clean = [0] * slots
+        #: Per dtype and slot (each dtype has its own staging), its leading elements
+        #: zero in every node rank's part (zeroed by the sum within a node as it read
+        #: them, so not again at ``begin``).
+        self.clean = {d: [0] * slots for d in staging}
         #: its parameters not handed over yet (``None``: all of them)
         self.pending: set[str] | None = None
         self.inflight: list[_Reduction] = []
@@ -279,9 +277,10 @@ class StreamReducer:
             self._release(slot)
         self.slot = slot
         buf = self.views[slot][index]
-        if self.clean[slot] < buf.shape[0]:
-            buf[self.clean[slot] :].fill(0)
-        self.clean[slot] = 0  # written from now on
+        clean = self.clean[self.layout.buckets[index].dtype]
+        if clean[slot] < buf.shape[0]:
+            buf[clean[slot] :].fill(0)
+        clean[slot] = 0  # written from now on
         self.open = index
         self.pending = None
         return buf
@@ -373,7 +372,8 @@ class StreamReducer:
         staging slots into ``out`` and zeroed (:class:`zerompi.nodesum.NodeSum`), and
         one more node fence with a single slot, before a rank of the node reuses it."""
         stats = self.node_sum(index, self.offsets[slot][index], out, add, True, True)  # type: ignore[misc]
-        self.clean[slot] = self.layout.buckets[index].size  # every rank zeroed its region
+        bucket = self.layout.buckets[index]
+        self.clean[bucket.dtype][slot] = bucket.size  # every rank zeroed its region
         if self.slots == 1:
             self.nodes.node.fence()  # type: ignore[union-attr]  # every rank has read it
         return stats
