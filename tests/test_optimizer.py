@@ -435,8 +435,9 @@ def test_param_groups_are_checked(comm: MPI.Intracomm) -> None:
 
 
 def test_hyperparameters_that_differ_between_ranks_fail_the_step(comm: MPI.Intracomm) -> None:
-    """Ranks that set different settings fail the next step on every rank, naming
-    the call, before Adam runs; bad settings are refused at once."""
+    """Ranks that set different settings fail every step on every rank, naming the
+    rank, before Adam runs (the state is untouched), until they agree again; bad
+    settings are refused at once."""
     spec = spec_of(SHAPES, F32)
     params = make_params(spec, seed=4)
     opt = ZeroOptimizer(params, comm=comm, stage=2, lr=1e-2)
@@ -449,19 +450,26 @@ def test_hyperparameters_that_differ_between_ranks_fail_the_step(comm: MPI.Intra
             pass
     opt.set_hyperparameters(lr=1e-2 * (1 + comm.rank))
     before = opt.full_params()
-    backward(opt, rank_grads(spec, 0, comm.rank), "streamed", None)
-    error = None
-    try:
-        opt.step()
-    except CollectiveError as exc:
-        error = str(exc)
-    if comm.size > 1 and (error is None or "set_hyperparameters" not in error):
-        problems.append(f"no CollectiveError naming set_hyperparameters: {error}")
-    if comm.size == 1 and error is not None:
-        problems.append(f"one rank failed: {error}")
-    after = opt.full_params()
-    if comm.size > 1 and any(not np.array_equal(before[n], after[n]) for n in before):
-        problems.append("the parameters changed")
+    for step in range(3):
+        if step == 2:
+            opt.set_hyperparameters(lr=1e-2)  # the ranks agree again
+        backward(opt, rank_grads(spec, step, comm.rank), "streamed", None)
+        error = None
+        try:
+            opt.step()
+        except CollectiveError as exc:
+            error = str(exc)
+        fails = comm.size > 1 and step < 2
+        if fails and (error is None or "Adam's settings differ between ranks" not in error):
+            problems.append(f"step {step}: no CollectiveError about the settings: {error}")
+        if not fails and error is not None:
+            problems.append(f"step {step} failed: {error}")
+        if step == 1:
+            after = opt.full_params()
+            if comm.size > 1 and any(not np.array_equal(before[n], after[n]) for n in before):
+                problems.append("the parameters changed")
+    if opt.step_count != (1 if comm.size > 1 else 3):
+        problems.append(f"{opt.step_count} steps taken")
     verdict(problems)
 
 

@@ -50,7 +50,7 @@ from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_
 from .plan import StagePlan, bucket_parts, choose_shared, runs, stage_plan
 from .precision import low_base, precision_settings
 from .reducer import FullReducer, StreamReducer
-from .settings import adam_segments, group_configs
+from .settings import adam_segments, group_configs, settings_token
 from .state import PHASES, OptimizerState
 
 if TYPE_CHECKING:
@@ -132,9 +132,9 @@ class ZeroOptimizer(HandOver, OptimizerState):
                 b1, b2 = betas
             except (TypeError, ValueError):
                 raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
-            self.config = AdamConfig(lr, b1, b2, eps, weight_decay, decoupled_weight_decay)
+            base = AdamConfig(lr, b1, b2, eps, weight_decay, decoupled_weight_decay)
             names = [name for name, _, _ in specs]
-            self.configs, self._member = group_configs(self.config, param_groups, names)
+            self.configs, self._member = group_configs(base, param_groups, names)
             self.layout = optimizer_layout(
                 specs, self.comm.size, self.comm.rank, stage, bucket_elems, group_of
             )
@@ -189,7 +189,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         self._order = list(params)
         self._micro_batches = 0
         self._gathered: tuple[int, int] | None = None  # stage 3: (bucket, slot) in use
-        self._stats = np.zeros(7)  # this rank's row of the step agreement
+        self._stats = np.zeros(8)  # this rank's row of the step agreement
         self._allocate(params)
         comm_.step = 1
 
@@ -354,7 +354,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
 
         self.reducer.reduce(visit)
         stats[2], stats[3] = self.step_count, self._micro_batches
-        stats[4:7] = self.comm.fingerprint.words()
+        stats[4:7], stats[7] = self.comm.fingerprint.words(), settings_token(self.configs)
         return stats
 
     def _agree(self, stats: np.ndarray) -> tuple[float, int]:

@@ -97,8 +97,8 @@ def adam_segments(
     return out
 
 
-def settings_token(group: int, config: AdamConfig) -> int:
-    """A group's settings as a number for the collective fingerprint (the same in
-    every process: no string hashing)."""
-    c = config
-    return hash((group, c.lr, c.beta1, c.beta2, c.eps, c.weight_decay)) & 0x7FFFFFFF
+def settings_token(configs: Sequence[AdamConfig]) -> float:
+    """Every group's settings as one number, which a float64 carries exactly, for
+    the step's agreement (the same in every process: floats hash alike)."""
+    key = tuple((c.lr, c.beta1, c.beta2, c.eps, c.weight_decay) for c in configs)
+    return float(hash(key) & 0x7FFFFFFF)

@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .adam import round_low
-from .mpi.agreement import OP_CODE
 from .plan import shard_of
-from .settings import SETTINGS, settings_token
+from .settings import SETTINGS
 
 if TYPE_CHECKING:
     from .adam import AdamConfig
@@ -35,8 +34,7 @@ class OptimizerState:
     layout: Layout
     plan: StagePlan
     pool: BufferPool
-    config: AdamConfig
-    configs: list[AdamConfig]
+    configs: list[AdamConfig]  # per parameter group (zerompi.settings)
     _member: dict[str, int]
     stage: int
     step_count: int
@@ -184,6 +182,11 @@ class OptimizerState:
         self.skipped_steps = int(skipped_steps)
         self.comm.step = self.step_count + 1
 
+    @property
+    def config(self) -> AdamConfig:
+        """Group 0's settings: the constructor's."""
+        return self.configs[0]
+
     def hyperparameters(self) -> dict[str, Any]:
         """Adam's settings, as a checkpoint records them."""
         def of(c: AdamConfig) -> dict[str, Any]:
@@ -208,9 +211,9 @@ class OptimizerState:
         rate schedule): any of ``lr``, ``beta1``, ``beta2``, ``eps``,
         ``weight_decay``, checked as at construction; ``group`` 0 is the
         constructor's (:mod:`zerompi.settings`). Call it alike on every rank: the
-        settings enter the collective fingerprint, so ranks that set different ones
-        fail the next ``step()`` on every rank with :class:`CollectiveError` before
-        Adam runs, instead of training apart. Checkpoints record the settings."""
+        step's agreement compares every rank's settings, so ranks that set different
+        ones fail every ``step()`` on every rank with :class:`CollectiveError` before
+        Adam runs, until they agree. Checkpoints record the settings."""
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
             raise TypeError(f"set_hyperparameters: unknown setting(s) {unknown}; "
@@ -218,13 +221,7 @@ class OptimizerState:
         if not 0 <= group < len(self.configs):
             raise ValueError(f"set_hyperparameters: no parameter group {group!r} "
                              f"({len(self.configs)} group(s))")  # fmt: skip
-        config = dataclasses.replace(self.configs[group], **settings)
-        self.configs[group] = config
-        if group == 0:
-            self.config = config
-        self.comm.fingerprint.record(
-            OP_CODE["set_hyperparameters"], -1, settings_token(group, config)
-        )
+        self.configs[group] = dataclasses.replace(self.configs[group], **settings)
 
     def precision_settings(self) -> dict[str, Any]:
         """The precision a checkpoint was saved with (it holds the master precision

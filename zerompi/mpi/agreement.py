@@ -29,7 +29,7 @@ class CollectiveError(ValueError):
 
 
 #: Operation codes in a fingerprint (ints: their hash is the same in every process).
-OPS = ("reduce_scatter", "allgatherv", "allreduce", "bcast", "alltoallv", "set_hyperparameters")
+OPS = ("reduce_scatter", "allgatherv", "allreduce", "bcast", "alltoallv")
 OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 _MASK26 = (1 << 26) - 1
@@ -78,8 +78,6 @@ def describe_call(call: tuple[int, int, int] | None, describe: Callable[[int], s
     if call is None:
         return "no call"
     op, tag, count = call
-    if OPS[op] == "set_hyperparameters":  # count: the settings' hash
-        return f"set_hyperparameters (settings {count:#x})"
     where = f" of {describe(tag)}" if tag >= 0 else ""
     return f"{OPS[op]}{where} ({count} elements)"
 
@@ -109,7 +107,8 @@ def agree_step(
     comm: Any, row: np.ndarray, describe: Callable[[int], str], step: int
 ) -> tuple[int, float]:
     """Collective: the step's agreement. ``row`` is this rank's ``[non-finite count,
-    sum of squares, step count, micro-batches, *fingerprint words]``; every rank gets
+    sum of squares, step count, micro-batches, *fingerprint words, Adam settings
+    token]`` (:func:`zerompi.settings.settings_token`); every rank gets
     every row and sums them in rank order, so all reach the same decision. Returns
     ``(non-finite elements, sum of squares)`` over all ranks, or raises
     :class:`CollectiveError` on every rank, naming what differs (for different calls:
@@ -126,7 +125,14 @@ def agree_step(
                 f"rank {r} has {int(rows[r, column])} (every rank must call step() and "
                 "accumulate() alike); this step's gradients were discarded"
             )
-    if (rows[:, 4:] != rows[0, 4:]).any():
+    if (rows[:, 7] != rows[0, 7]).any():  # checked at every step: no drift survives
+        r = int(np.argmax(rows[:, 7] != rows[0, 7]))
+        raise CollectiveError(
+            f"Adam's settings differ between ranks: rank {r}'s lr, betas, eps or "
+            "weight_decay (of some parameter group) are not rank 0's; every rank must "
+            "call set_hyperparameters() alike. This step's gradients were discarded"
+        )
+    if (rows[:, 4:7] != rows[0, 4:7]).any():
         where = first_difference(comm.allgather(log), describe)
         raise CollectiveError(
             f"the ranks' collective calls differ in step {step}: {where}. Every rank must "
