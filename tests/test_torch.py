@@ -130,8 +130,9 @@ def test_checkpoints_are_keyed_by_the_module_names(
 
 
 def test_bad_models_are_refused_on_every_rank(comm: MPI.Intracomm) -> None:
-    """A half-precision trainable parameter, a meta-device parameter, a module whose
-    parameters differ between ranks, an unsupported stage: the same error on every
+    """A half-precision trainable parameter, a meta-device parameter, a group that
+    lists a frozen parameter or is no dict, a module whose parameters differ between
+    ranks, an unsupported stage: the same error on every
     rank of ``comm`` (raised where only one rank is wrong, too)."""
     problems = []
     last = comm.rank == comm.size - 1
@@ -161,6 +162,13 @@ def test_bad_models_are_refused_on_every_rank(comm: MPI.Intracomm) -> None:
 
     expect("float16", half, TypeError, "float32 or float64")
     expect("meta", meta, ValueError, "CPU models")
+    def frozen_in_a_group() -> None:
+        m = make_model(0)
+        shard(m, comm=comm, param_groups=[{"params": [m.frozen.weight]}])
+
+    expect("group", frozen_in_a_group, ValueError, "not a trainable parameter")
+    expect("group dict", lambda: shard(make_model(0), comm=comm, param_groups=[["x"]]),
+           TypeError, "must be a dict with a 'params' list")  # fmt: skip
     if comm.size > 1:
         expect("shapes", differ, Exception, "differ")
     expect("stage 3", lambda: shard(make_model(0), stage=3, comm=comm), NotImplementedError,

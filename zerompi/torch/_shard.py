@@ -78,11 +78,10 @@ def _named_groups(
     names = {id(p): n for n, p in named}
     out = []
     for i, group in enumerate(groups):
-        params = group.get("params", []) if isinstance(group, dict) else None
-        if params is None or isinstance(params, torch.Tensor):
-            params = [params] if isinstance(params, torch.Tensor) else params
-        if params is None:
+        if not isinstance(group, dict) or "params" not in group:
             raise TypeError(f"param_groups[{i}] must be a dict with a 'params' list")
+        params = group["params"]
+        params = [params] if isinstance(params, (str, torch.Tensor)) else params
         listed = []
         for p in params:
             if isinstance(p, str):
@@ -163,10 +162,11 @@ def shard(
     _check_settings(stage, param_dtype, reduce_dtype)
     check = Comm(comm, timeout=0)
     error: BaseException | None = None
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named: list[tuple[str, torch.nn.Parameter]] = []
     groups = None
     try:
         _check_module(model)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = _named_groups(param_groups, named)
     except (TypeError, ValueError) as exc:
         error = exc
