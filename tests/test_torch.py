@@ -131,8 +131,8 @@ def test_checkpoints_are_keyed_by_the_module_names(
 
 def test_bad_models_are_refused_on_every_rank(comm: MPI.Intracomm) -> None:
     """A half-precision trainable parameter, a meta-device parameter, a group that
-    lists a frozen parameter or is no dict, a module whose parameters differ between
-    ranks, an unsupported stage: the same error on every
+    lists a frozen parameter or is no dict, a module whose parameters or buffers
+    differ between ranks, an unsupported stage: the same error on every
     rank of ``comm`` (raised where only one rank is wrong, too)."""
     problems = []
     last = comm.rank == comm.size - 1
@@ -166,7 +166,15 @@ def test_bad_models_are_refused_on_every_rank(comm: MPI.Intracomm) -> None:
         m = make_model(0)
         shard(m, comm=comm, param_groups=[{"params": [m.frozen.weight]}])
 
+    def extra_buffer() -> None:
+        m = make_model(0)
+        if last:
+            m.register_buffer("extra", torch.zeros(2))
+        shard(m, comm=comm)
+
     expect("group", frozen_in_a_group, ValueError, "not a trainable parameter")
+    if comm.size > 1:
+        expect("buffers", extra_buffer, Exception, "frozen parameters and buffers")
     expect("group dict", lambda: shard(make_model(0), comm=comm, param_groups=[["x"]]),
            TypeError, "must be a dict with a 'params' list")  # fmt: skip
     if comm.size > 1:

@@ -96,9 +96,13 @@ def _named_groups(
 
 
 def _broadcast_rest(comm: Comm, model: torch.nn.Module) -> None:
-    """Frozen parameters and buffers from rank 0, in ``named_*`` order."""
-    frozen = [p for _, p in model.named_parameters() if not p.requires_grad]
-    for tensor in [*frozen, *(b for _, b in model.named_buffers())]:
+    """Frozen parameters and buffers from rank 0, in ``named_*`` order, once every
+    rank has the same ones (else an error on every rank, not mismatched broadcasts)."""
+    rest = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    rest += list(model.named_buffers())
+    comm.check_same([(n, tuple(t.shape), str(t.dtype)) for n, t in rest],
+                    "the module's frozen parameters and buffers (name, shape, dtype)")  # fmt: skip
+    for _, tensor in rest:
         with torch.no_grad():
             data = tensor.detach()
             array = np.ascontiguousarray(data.numpy())
