@@ -37,7 +37,7 @@ CONSTRUCTION = [
     ("non-str name", TypeError, "parameter names must be str, got 1",
      build(params={1: np.ones(3, np.float32)})),
     ("NaN lr", ValueError, "lr must be finite, got nan", build(lr=float("nan"))),
-    ("negative lr", ValueError, "lr must be > 0, got -0.1", build(lr=-0.1)),
+    ("negative lr", ValueError, "lr must be >= 0, got -0.1", build(lr=-0.1)),
     ("zero eps", ValueError, "eps must be > 0, got 0.0", build(eps=0.0)),
     ("beta1 = 1", ValueError, "beta1 must be in [0, 1), got 1.0", build(betas=(1.0, 0.999))),
     ("negative beta2", ValueError, "beta2 must be in [0, 1), got -0.1", build(betas=(0.9, -0.1))),

@@ -338,14 +338,15 @@ def test_matches_reference_with_random_gradients(comm: MPI.Intracomm, mode: str)
 def test_hyperparameters_changed_between_steps(comm: MPI.Intracomm, mode: str) -> None:
     """A schedule: ``set_hyperparameters`` between steps (the learning rate, then
     weight decay, betas and eps too) takes effect from the next step, exactly as the
-    reference changed alike."""
+    reference changed alike; a warm-up from ``lr=0`` moves the moments, not the
+    parameters (as torch's Adam does)."""
     stage, api = MODES[mode]
     hyper = VARIANTS["adamw"]
     spec = spec_of(SHAPES, F32)
     params = make_params(spec, seed=3)
     opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=7, **hyper)
     ref = ReferenceAdam(params, **hyper)
-    schedule = [{}, {"lr": 5e-3}, {"lr": 2e-3, "weight_decay": 0.2},
+    schedule = [{"lr": 0.0}, {"lr": 5e-3}, {"lr": 2e-3, "weight_decay": 0.2},
                 {"lr": 1e-3, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6}]  # fmt: skip
     names = {"lr": "lr", "weight_decay": "wd", "beta1": "b1", "beta2": "b2", "eps": "eps"}
     problems = []

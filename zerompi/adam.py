@@ -125,8 +125,8 @@ class AdamConfig:
             # Plain Python floats: numpy then treats them as weak scalars and computes
             # in the array's own dtype.
             object.__setattr__(self, name, finite_real(name, getattr(self, name)))
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if self.lr < 0:  # 0 is a schedule's warm-up start or end: torch accepts it
+            raise ValueError(f"lr must be >= 0, got {self.lr!r}")
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0, got {self.eps!r}")
         for name in ("beta1", "beta2"):
