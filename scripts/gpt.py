@@ -11,7 +11,8 @@ random run of ``--seq // 2`` tokens written twice, so the second half can be
 predicted from the first (copying, which attention learns in a few hundred steps:
 the loss on the second half falls from about ln(vocab) towards 0; on the first half it
 cannot fall below ln(vocab)). Each rank draws its own rows of every global batch.
-Rank 0 prints the loss (mean over the ranks) and tokens per second.
+Rank 0 prints the loss (mean over the ranks) and tokens per second. The model and the
+data are :mod:`zerompi.torch.gpt`'s (also timed by ``python -m zerompi.bench --model gpt``).
 """
 
 from __future__ import annotations
@@ -25,50 +26,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from zerompi.torch import shard
-
-
-class Block(torch.nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = torch.nn.LayerNorm(dim)
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-        self.norm2 = torch.nn.LayerNorm(dim)
-        self.up = torch.nn.Linear(dim, 4 * dim)
-        self.down = torch.nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class GPT(torch.nn.Module):
-    def __init__(self, vocab: int, seq: int, dim: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.tok = torch.nn.Embedding(vocab, dim)
-        self.pos = torch.nn.Parameter(torch.zeros(seq, dim))
-        self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.norm = torch.nn.LayerNorm(dim)
-        torch.nn.init.normal_(self.tok.weight, std=0.02)
-        torch.nn.init.normal_(self.pos, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x) @ self.tok.weight.T  # the head tied to the embedding
-
-
-def batch(step: int, rank: int, rows: int, seq: int, vocab: int) -> torch.Tensor:
-    """This rank's ``rows`` sequences of the step: a random half written twice."""
-    g = torch.Generator().manual_seed(1_000_003 * step + rank)
-    half = torch.randint(0, vocab, (rows, seq // 2 + 1), generator=g)
-    return torch.cat([half, half[:, : seq + 1 - half.shape[1]]], dim=1)  # seq + 1 tokens
+from zerompi.torch.gpt import GPT, batch
 
 
 def main() -> None:
