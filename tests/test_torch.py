@@ -25,23 +25,34 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 from zerompi import checkpoint  # noqa: E402
 from zerompi.torch import shard  # noqa: E402
-from zerompi.torch.parity import batch, compare, loss_of, make_model  # noqa: E402
+from zerompi.torch.parity import (  # noqa: E402
+    batch,
+    compare,
+    compare_low,
+    loss_of,
+    make_model,
+)
 
 torch.set_num_threads(1)  # one core per rank: the ranks share the machine
+
+#: stage, shared_memory: "3" on one node holds the node's one copy (W > 1), "3s"
+#: gathers each module's parameters into storages freed after use (FSDP's way).
+MODES = {"0": (0, None), "1": (1, None), "2": (2, None), "3": (3, None), "3s": (3, False)}
 
 
 @pytest.mark.parametrize(
     ("decoupled", "groups"), [(True, False), (False, False), (True, True)],
     ids=["adamw", "adam_l2", "adamw_2_groups"],
 )
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("mode", MODES)
 def test_matches_single_process_torch(
-    comm: MPI.Intracomm, stage: int, decoupled: bool, groups: bool
+    comm: MPI.Intracomm, mode: str, decoupled: bool, groups: bool
 ) -> None:
     """Parameters within 1e-5 of the reference (relative to each one's magnitude),
     the scheduler's learning rates in effect (per group), buffers from rank 0
     (:func:`zerompi.torch.parity.compare`)."""
-    result = compare(comm, stage, decoupled, groups=groups)
+    stage, shared = MODES[mode]
+    result = compare(comm, stage, decoupled, groups=groups, shared_memory=shared)
     problems = [f"{name} differs by {a:.3g} (relative {r:.3g})"
                 for name, (a, r) in result["diffs"].items() if not r <= 1e-5]  # fmt: skip
     if result["lrs"][0] != result["lrs"][1]:
@@ -51,21 +62,102 @@ def test_matches_single_process_torch(
     assert_all(not problems, "\n".join(problems[:6]))
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize(
+    ("decoupled", "reduce_dtype"), [(True, None), (False, None), (True, "bfloat16")],
+    ids=["adamw", "adam_l2", "adamw_bf16_reduce"],
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_bfloat16_params_match_mixed_precision_torch(
+    comm: MPI.Intracomm, mode: str, decoupled: bool, reduce_dtype: str | None
+) -> None:
+    """``param_dtype=torch.bfloat16``: the float32 masters within 1e-5 of FSDP2's
+    mixed-precision semantics computed in one process (bfloat16 forward/backward of
+    each rank's slice, float32 sums, AdamW/Adam + L2 on the master:
+    :func:`zerompi.torch.parity.compare_low`), and the module's parameters exactly
+    the masters rounded to bfloat16. With bfloat16 gradients too (``reduce_dtype``)
+    nothing is summed in 16 bits: the same reference holds, over two backward calls
+    per step (at stages 0-1 too, where each backward is folded)."""
+    stage, shared = MODES[mode]
+    reduce = getattr(torch, reduce_dtype) if reduce_dtype else None
+    result = compare_low(comm, stage, torch.bfloat16, shared_memory=shared,
+                         decoupled=decoupled, reduce_dtype=reduce)  # fmt: skip
+    problems = [f"{name} master differs by {a:.3g} (relative {r:.3g})"
+                for name, (a, r) in result["diffs"].items() if not r <= 1e-5]  # fmt: skip
+    if not result["rounded"]:
+        problems.append("the module's parameters are not the masters rounded to bfloat16")
+    assert_all(not problems, "\n".join(problems[:6]))
+
+
+def test_stage_3_holds_a_module_s_parameters_only_while_it_runs(comm: MPI.Intracomm) -> None:
+    """Stage 3 without a node copy: between steps every trainable parameter is an
+    empty tensor and no bucket storage is allocated; inside a module's forward its
+    parameters (and the tied weight, in both modules that register it) are full and
+    equal the master; after the forward every storage is freed again (the backward
+    re-gathers: the parity tests check its values), and after the backward too;
+    ``full_parameters()`` gathers all (``state_dict()`` inside is the masters) and
+    frees them on exit."""
+    model, opt = shard(make_model(0), stage=3, comm=comm, shared_memory=False,
+                       bucket_elems=40)  # fmt: skip
+    units, problems = opt.units, []
+    masters = opt.zero.full_params()
+
+    def allocated() -> list[int]:
+        return [i for i, f in enumerate(units.flats) if f.untyped_storage().nbytes()]
+
+    def check(module: torch.nn.Module, args: object) -> None:
+        for p in module.parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            full = dict(model.named_parameters())
+            key = next(n for n, q in full.items() if q is p)
+            if tuple(p.shape) != masters[key].shape or not np.array_equal(
+                p.detach().clone().numpy(), masters[key]  # (.numpy() pins a storage)
+            ):
+                problems.append(f"{key} in {type(module).__name__}'s forward: {p.shape}")
+
+    for module in (model.emb, model.up, model.down, model.norm, model.head):
+        module.register_forward_pre_hook(check, prepend=False)
+    for step in range(2):
+        if any(p.numel() for p in model.parameters() if p.requires_grad) or allocated():
+            problems.append(f"step {step}: parameters are held between steps {allocated()}")
+        idx, target = batch(step, 0, 1)
+        loss = loss_of(model, idx, target)
+        if allocated():
+            problems.append(f"step {step}: buckets {allocated()} held after the forward")
+        loss.backward()
+        if allocated():
+            problems.append(f"step {step}: buckets {allocated()} held after the backward")
+        if any(p.grad is not None for p in model.parameters()):
+            problems.append(f"step {step}: torch kept a gradient")
+        opt.step()
+        masters = opt.zero.full_params()
+    with opt.full_parameters():
+        state = model.state_dict()
+        for name, want in masters.items():
+            if not np.array_equal(state[name].clone().numpy(), want):
+                problems.append(f"state_dict()[{name!r}] inside full_parameters()")
+    if allocated():
+        problems.append("full_parameters() left buckets allocated")
+    opt.close()
+    assert_all(not problems, "\n".join(problems[:6]))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_parameters_are_views_and_gradients_land_in_zerompi(
     comm: MPI.Intracomm, stage: int
 ) -> None:
     """Zero copy: every trainable parameter's data is zerompi's buffer (one tensor for
     the tied weight); at stages 0-1 ``.grad`` is zerompi's gradient buffer before
-    and after a backward; at stage 2 the hook leaves ``.grad`` empty and the
-    gradient in zerompi's staging. A ``model.zero_grad()`` (``.grad = None``) still
-    reaches the buffer."""
+    and after a backward; at stages 2-3 the hook leaves ``.grad`` empty and the
+    gradient in zerompi's staging (stage 3 here: the node's copy, at W > 1). A
+    ``model.zero_grad()`` (``.grad = None``) still reaches the buffer."""
     model, opt = shard(make_model(0), stage=stage, comm=comm, bucket_elems=40)
-    problems = []
+    resident = opt.zero.resident_params  # (None: stage 3 with no node copy at W = 1,
+    problems = []  # tested by test_stage_3_holds_...; a skip here would not be collective)
     for name, param in model.named_parameters():
-        if not param.requires_grad:
+        if not param.requires_grad or resident is None:
             continue
-        array = opt.zero.params[name]
+        array = resident[name]
         if param.data_ptr() != array.ctypes.data:
             problems.append(f"{name} is not a view of zerompi's parameters")
     idx, target = batch(0, 0, 1)
@@ -81,31 +173,35 @@ def test_parameters_are_views_and_gradients_land_in_zerompi(
             elif not np.any(grads):
                 problems.append(f"{name}: no gradient in zerompi's buffer")
         elif param.grad is not None:
-            problems.append(f"{name}: stage 2 left torch's gradient")
+            problems.append(f"{name}: stage {stage} left torch's gradient")
     opt.step()
     opt.close()
     assert_all(not problems, "\n".join(problems[:6]))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(("saved", "loaded"), [("1", "2"), ("2", "1"), ("3s", "1"), ("1", "3s")])
 def test_checkpoints_are_keyed_by_the_module_names(
-    comm: MPI.Intracomm, stage: int, mpi_tmp_path: Path
+    comm: MPI.Intracomm, saved: str, loaded: str, mpi_tmp_path: Path
 ) -> None:
     """``optimizer.save`` writes zerompi's file under the module's parameter names
     (``zerompi.checkpoint.read`` sees ``model.state_dict()``'s keys); ``load`` into
     a fresh module (its initial values) at another stage restores its trainable
-    parameters (views of the same buffers) and Adam state, so the next steps match
-    (within float32 rounding: the two stages may sum the ranks' gradients in another
-    order)."""
+    parameters (views of the same buffers, or gathered from the restored shards at
+    stage 3) and Adam state, so the next steps match (within float32 rounding: the
+    two stages may sum the ranks' gradients in another order)."""
     root = comm.bcast(MPI.COMM_WORLD.rank, root=0)
-    path = str(mpi_tmp_path / f"torch-{stage}-w{comm.size}-r{root}.zmpi")
+    path = str(mpi_tmp_path / f"torch-{saved}-{loaded}-w{comm.size}-r{root}.zmpi")
     runs = []
     for restart in (False, True):
-        model, opt = shard(make_model(0), stage=stage, comm=comm, bucket_elems=40)
+        stage, shared = MODES[saved]
+        model, opt = shard(make_model(0), stage=stage, comm=comm, bucket_elems=40,
+                           shared_memory=shared)  # fmt: skip
         steps = range(2) if restart else range(4)
         for step in steps:
             if restart and step == 0:
-                model2, opt2 = shard(make_model(0), stage=3 - stage, comm=comm)
+                stage, shared = MODES[loaded]
+                model2, opt2 = shard(make_model(0), stage=stage, comm=comm,
+                                     shared_memory=shared)  # fmt: skip
                 opt2.load(path)  # at the other stage
                 model, opt = model2, opt2
             if not restart and step == 2:
@@ -114,14 +210,16 @@ def test_checkpoints_are_keyed_by_the_module_names(
             loss_of(model, idx, target).backward()
             opt.step()
             opt.zero_grad()
-        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        with opt.full_parameters():
+            runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
         opt.close()
     problems = []
-    saved = checkpoint.read(path)["params"]
+    saved_params = checkpoint.read(path)["params"]
     state = make_model(0).state_dict()
-    if sorted(saved) != sorted(n for n, p in make_model(0).named_parameters() if p.requires_grad):
-        problems.append(f"saved names {sorted(saved)}")
-    if set(saved) - set(state):
+    trainable = sorted(n for n, p in make_model(0).named_parameters() if p.requires_grad)
+    if sorted(saved_params) != trainable:
+        problems.append(f"saved names {sorted(saved_params)}")
+    if set(saved_params) - set(state):
         problems.append("saved names are not state_dict() keys")
     for name, want in runs[0].items():
         if not torch.allclose(runs[1][name], want, rtol=1e-5, atol=1e-7):
@@ -133,7 +231,8 @@ def test_bad_models_are_refused_on_every_rank(comm: MPI.Intracomm) -> None:
     """A half-precision trainable parameter, a meta-device parameter, a group that
     lists a frozen parameter or is no dict, a module whose parameters or buffers
     differ between ranks, an unsupported stage: the same error on every
-    rank of ``comm`` (raised where only one rank is wrong, too)."""
+    rank of ``comm`` (raised where only one rank is wrong, too); a ``param_dtype``
+    that is not a float dtype or not a dtype at all."""
     problems = []
     last = comm.rank == comm.size - 1
 
@@ -179,8 +278,12 @@ def test_bad_models_are_refused_on_every_rank(comm: MPI.Intracomm) -> None:
            TypeError, "must be a dict with a 'params' list")  # fmt: skip
     if comm.size > 1:
         expect("shapes", differ, Exception, "differ")
-    expect("stage 3", lambda: shard(make_model(0), stage=3, comm=comm), NotImplementedError,
-           "stage 3")  # fmt: skip
+    expect("stage 4", lambda: shard(make_model(0), stage=4, comm=comm), ValueError,
+           "stage must be 0, 1, 2 or 3, got 4")  # fmt: skip
+    expect("param_dtype", lambda: shard(make_model(0), comm=comm, param_dtype=torch.int8),
+           Exception, "param_dtype")  # fmt: skip
+    expect("param_dtype kind", lambda: shard(make_model(0), comm=comm, param_dtype=3),
+           TypeError, "param_dtype must be a torch dtype")  # fmt: skip
     assert_all(not problems, "\n".join(problems))
 
 

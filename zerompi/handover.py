@@ -233,6 +233,25 @@ class HandOver:
                 cache[index] = block
         return block
 
+    @property
+    def resident_params(self) -> FlatArrays | None:
+        """Name -> full parameter view where this rank holds every parameter all the
+        time (stages 0-2; stage 3 on one node with shared memory: the node's copy),
+        in ``param_dtype``; else ``None`` (stage 3 gathers: :meth:`gather_into`)."""
+        return self._params if self.plan.full_params else None
+
+    def gather_into(self, index: int, out: np.ndarray) -> None:
+        """Collective: bucket ``index``'s full parameters (in ``param_dtype``) into
+        ``out``, memory the caller owns and may free between calls (the torch
+        adapter's per-module storages, :mod:`zerompi.torch._units`). Stage 3 without
+        a node copy; recorded in the step's fingerprint like a ``gathered`` block."""
+        bucket = self.layout.buckets[index]
+        start = time.perf_counter()
+        self.comm.plan_allgatherv(
+            out, bucket.counts, bucket.displs, index, send=self._gather_source(index)
+        ).run()
+        self.timings["allgather"] += time.perf_counter() - start
+
     def _release_gathered(self) -> None:
         layers = self.layers  # (a node's shared buffer is not this rank's to poison)
         if DEBUG and self._gathered is not None and layers is not None and layers.node is None:
@@ -276,6 +295,20 @@ class HandOver:
             views = self._views(buf, index, resolved)
             block = cache[index] = Block(views, self._handed_over, (index, None))
         return block
+
+    def fold(self) -> None:
+        """Fold the gradients added so far into the accumulated gradient *without*
+        counting a micro-batch (``accumulate()`` counts one, and the step averages
+        over them): torch's semantics, where the gradients of several ``backward()``
+        calls are summed. Only 16-bit gradients at stages 0-1 are held in a buffer
+        of their own dtype until folded (a collective there; elsewhere nothing to
+        do), so the torch adapter folds after every backward: never summed in 16
+        bits."""
+        if self.plan.full_grads and any(p.low_grads for p in self.precisions.values()):
+            self._live("fold")
+            start = time.perf_counter()
+            self.reducer.end_micro_batch()
+            self.timings["reduce_scatter"] += time.perf_counter() - start
 
     def _handed_over(self, handed: tuple[int, list[str] | None]) -> None:
         start = time.perf_counter()

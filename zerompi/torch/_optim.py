@@ -11,13 +11,15 @@ is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from .. import ZeroOptimizer
+    from ._units import HandOver, Units
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -32,6 +34,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         zero: ZeroOptimizer,
         groups: Sequence[tuple[int, Sequence[torch.nn.Parameter]]],
         grad_views: dict[torch.nn.Parameter, torch.Tensor] | None,
+        units: Units | None = None,
+        hand_over: HandOver | None = None,
     ) -> None:
         def settings(i: int) -> dict[str, Any]:
             c = zero.configs[i]
@@ -45,6 +49,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: per torch group, the zerompi group it stands for
         self.zero_groups = [i for i, _ in groups]
         self._grad_views = grad_views
+        #: stage 3's per-bucket storages (None where parameters stay resident)
+        self.units = units
+        self._hand_over = hand_over
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):
@@ -75,14 +82,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
             changed = self._settings(group, self.zero.configs[index])
             if changed:
                 self.zero.set_hyperparameters(group=index, **changed)
+        if self.units is not None:
+            self.units.release_all()  # nothing gathered may outlive the shards' change
+        if self._hand_over is not None:
+            self._hand_over.reset()
         self.zero.step()
         return loss
+
+    @property
+    def loss_scale(self) -> float:
+        """What to multiply the loss by before ``backward()`` (1.0 without loss
+        scaling; see zerompi's ``loss_scale``)."""
+        return float(self.zero.loss_scale)
+
+    @contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Collective: inside the block every trainable parameter holds its full value
+        (stage 3 gathers them all; other stages hold them anyway), e.g. for
+        ``model.state_dict()`` or an evaluation that reads parameters directly."""
+        if self.units is None:
+            yield
+            return
+        self.units.gathered_all()
+        try:
+            yield
+        finally:
+            self.units.released_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients added since the last step (no collective). At stages
         0-1 ``.grad`` stays the (zeroed) buffer whatever ``set_to_none`` says: it is
         where the next backward adds."""
         self.zero.zero_grad()
+        if self._hand_over is not None:
+            self._hand_over.reset()
         if self._grad_views is not None:
             for param, view in self._grad_views.items():
                 param.grad = view
@@ -98,7 +131,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load(self, path: str) -> dict:
         """Collective: restore parameters, moments and step count (the module's
-        parameters are the restored values: they are views of the same buffers)."""
+        parameters are the restored values: they are views of the same buffers, or
+        gathered from the restored shards at stage 3)."""
+        if self.units is not None:
+            self.units.release_all()
         return self.zero.load(path)
 
     def close(self) -> None:

@@ -9,13 +9,17 @@ What it does, collectively on every rank of ``comm``:
    parameter once), initial values from rank 0;
 3. makes every trainable parameter a view of zerompi's full parameter buffer
    (``param.data = torch.from_numpy(...)``; with node shared memory, of the node's
-   one copy), and broadcasts frozen parameters and module buffers from rank 0;
+   one copy; with ``param_dtype``, of its rounded copy), and broadcasts frozen
+   parameters and module buffers from rank 0; stage 3 without a node copy gives each
+   bucket a torch storage that exists only while a module using it runs
+   (:mod:`._units`);
 4. routes gradients: stages 0-1 set ``.grad`` to a view of zerompi's gradient
    buffer (autograd then adds into it in place; a hook folds in a gradient that
-   landed elsewhere, e.g. after ``model.zero_grad()`` set it to ``None``); stage 2
-   registers a post-accumulate-grad hook per parameter that adds its gradient into
-   the bucket's staging buffer (``opt.gradients``) and drops torch's copy, so a
-   bucket is reduce-scattered as soon as its last parameter's gradient exists.
+   landed elsewhere, e.g. after ``model.zero_grad()`` set it to ``None``); stages 2-3
+   (and ``param_dtype``/``reduce_dtype`` at any stage) register a post-accumulate-grad
+   hook per parameter that adds its gradient into the bucket's staging buffer
+   (``opt.gradients``, cast to ``reduce_dtype``) and drops torch's copy, so a bucket
+   is reduce-scattered as soon as its last parameter's gradient exists.
 """
 
 from __future__ import annotations
@@ -27,23 +31,29 @@ import torch
 
 from ..mpi.collectives import Comm
 from ..partition import DEFAULT_BUCKET_ELEMS
+from ..precision import resolve_dtype
 from ._optim import ShardedOptimizer
+from ._tensors import to_torch, torch_dtype
+from ._units import HandOver, Units
 
 #: torch dtypes a parameter the optimizer steps on may have (the master dtype).
 MASTER_DTYPES = (torch.float32, torch.float64)
 
 
-def _check_settings(stage: int, param_dtype: object, reduce_dtype: object) -> None:
-    """What this adapter does not do yet (arguments: the same on every rank)."""
-    if stage not in (0, 1, 2):
-        raise NotImplementedError(
-            f"zerompi.torch: stage {stage} is not supported yet (stages 0, 1 and 2 are)"
-        )
-    if param_dtype is not None or reduce_dtype is not None:
-        raise NotImplementedError(
-            "zerompi.torch: param_dtype / reduce_dtype are not supported yet; keep the "
-            "model in float32"
-        )
+def _dtype_name(value: object, what: str) -> str | None:
+    """``param_dtype`` / ``reduce_dtype`` as zerompi's name: a torch dtype
+    (``torch.bfloat16``) or what :func:`zerompi.precision.resolve_dtype` takes."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise TypeError(f"{what} must be a torch dtype, a dtype name or None, got {value!r:.60}")
+
+
+def _check_settings(stage: object) -> None:
+    """What this adapter does not do (arguments: the same on every rank)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zerompi.torch: stage must be 0, 1, 2 or 3, got {stage!r}")
 
 
 def _check_module(model: torch.nn.Module) -> None:
@@ -95,9 +105,11 @@ def _named_groups(
     return out
 
 
-def _broadcast_rest(comm: Comm, model: torch.nn.Module) -> None:
+def _broadcast_rest(comm: Comm, model: torch.nn.Module, param_dtype: str | None) -> None:
     """Frozen parameters and buffers from rank 0, in ``named_*`` order, once every
-    rank has the same ones (else an error on every rank, not mismatched broadcasts)."""
+    rank has the same ones (else an error on every rank, not mismatched broadcasts).
+    With ``param_dtype`` frozen floating parameters are then cast to it, so the
+    module computes in one dtype (FSDP2's policy; buffers keep theirs)."""
     rest = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     rest += list(model.named_buffers())
     comm.check_same([(n, tuple(t.shape), str(t.dtype)) for n, t in rest],
@@ -109,17 +121,12 @@ def _broadcast_rest(comm: Comm, model: torch.nn.Module) -> None:
             comm.bcast_inplace(array)
             if not np.shares_memory(array, data.numpy()):
                 data.copy_(torch.from_numpy(array))
-
-
-def _stage_2_hook(zero: Any, name: str) -> Any:
-    def hand_over(param: torch.nn.Parameter) -> None:
-        grad = param.grad
-        with zero.gradients(name) as staged:
-            dst = staged[name]
-            np.add(dst, grad.numpy(), out=dst)
-        param.grad = None  # torch's copy is folded in
-
-    return hand_over
+    if param_dtype is not None:
+        wanted = torch_dtype(resolve_dtype(param_dtype, "param_dtype"))
+        with torch.no_grad():
+            for _, param in model.named_parameters():
+                if not param.requires_grad and param.is_floating_point():
+                    param.data = param.data.to(wanted)
 
 
 def _buffer_hook(view: torch.Tensor) -> Any:
@@ -150,6 +157,7 @@ def shard(
     param_dtype: object = None,
     reduce_dtype: object = None,
     param_groups: list[dict[str, Any]] | None = None,
+    loss_scale: object = None,
 ) -> tuple[torch.nn.Module, ShardedOptimizer]:
     """Collective: shard ``model``'s trainable parameters over ``comm`` (default
     ``COMM_WORLD``) at ``stage`` and return ``(model, optimizer)``; the module is
@@ -159,16 +167,32 @@ def shard(
     with an L2 term). ``max_norm`` clips the global gradient norm (torch's
     ``clip_grad_norm_``) inside the step. ``param_groups``: torch's list of dicts,
     ``{"params": [parameters or their names], "lr": ..., "weight_decay": ...}``;
-    a trainable parameter no group lists keeps the arguments' settings. Any error
-    is raised on every rank."""
+    a trainable parameter no group lists keeps the arguments' settings.
+
+    ``param_dtype`` (``torch.bfloat16``, ``torch.float16`` or their names): the
+    module computes with zerompi's rounded copy in that dtype (frozen parameters are
+    cast to it; feed it inputs of that dtype), Adam keeps the float32 master;
+    ``reduce_dtype``: the dtype gradients are handed over and moved in (default
+    float32; 16-bit ones are still summed in float32); ``loss_scale``: zerompi's
+    (multiply the loss by ``optimizer.loss_scale`` before ``backward()``).
+
+    Stage 3 (without a node copy of the parameters: over several nodes, or
+    ``shared_memory=False``) gathers a module's parameters before its forward and
+    again before its backward and frees them after; read a parameter only inside the
+    forward of a module that registers it (a tied weight: register it in every module
+    that uses it, ``head.weight = emb.weight``). Elsewhere it is an empty tensor, and
+    so is every trainable parameter between steps: read them inside
+    ``with optimizer.full_parameters():``. Any error is raised on every rank."""
     from .. import ZeroOptimizer
 
-    _check_settings(stage, param_dtype, reduce_dtype)
     check = Comm(comm, timeout=0)
     error: BaseException | None = None
     named: list[tuple[str, torch.nn.Parameter]] = []
-    groups = None
+    groups, dtypes = None, (None, None)
     try:
+        _check_settings(stage)
+        dtypes = (_dtype_name(param_dtype, "param_dtype"),
+                  _dtype_name(reduce_dtype, "reduce_dtype"))  # fmt: skip
         _check_module(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = _named_groups(param_groups, named)
@@ -180,21 +204,42 @@ def shard(
         arrays, comm=comm, stage=stage, lr=lr, betas=betas, eps=eps,
         weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
         bucket_elems=bucket_elems, max_norm=max_norm, shared_memory=shared_memory,
-        timeout=timeout, param_groups=groups,
+        timeout=timeout, param_groups=groups, param_dtype=dtypes[0],
+        reduce_dtype=dtypes[1], loss_scale=loss_scale,
     )  # fmt: skip
-    _broadcast_rest(zero.comm, model)
-    grad_views: dict[torch.nn.Parameter, torch.Tensor] | None = {} if stage < 2 else None
+    _broadcast_rest(zero.comm, model, dtypes[0])
+    hand_over = HandOver(zero)
+    units, grad_views = _route(zero, model, named, hand_over)
+    torch_groups = [(i, [p for n, p in named if zero.param_group(n) == i])
+                    for i in range(len(zero.configs))]  # fmt: skip
+    torch_groups = [(i, ps) for i, ps in torch_groups if ps or i > 0]
+    return model, ShardedOptimizer(zero, torch_groups, grad_views, units, hand_over)
+
+
+def _route(
+    zero: Any, model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]],
+    hand_over: HandOver,
+) -> tuple[Units | None, dict[torch.nn.Parameter, torch.Tensor] | None]:
+    """Where parameters live and gradients go. Parameters: views of zerompi's full
+    (node) copy where it has one, else stage 3's per-bucket storages (:class:`Units`).
+    Gradients: ``.grad`` *is* zerompi's buffer at stages 0-1 when its dtype is the
+    parameter's; otherwise a hook hands each one over as it is computed."""
+    resident = zero.resident_params
+    views = zero.plan.full_grads and not any(
+        p.low_params or p.low_grads for p in zero.precisions.values()
+    )
+    grad_views: dict[torch.nn.Parameter, torch.Tensor] | None = {} if views else None
     with torch.no_grad():
         for name, param in named:
-            param.data = torch.from_numpy(zero.params[name])
             param.grad = None
+            if resident is not None:
+                param.data = to_torch(resident[name])
             if grad_views is not None:
                 view = torch.from_numpy(zero.grads[name])
                 grad_views[param] = param.grad = view
                 param.register_post_accumulate_grad_hook(_buffer_hook(view))
-            else:
-                param.register_post_accumulate_grad_hook(_stage_2_hook(zero, name))
-    torch_groups = [(i, [p for n, p in named if zero.param_group(n) == i])
-                    for i in range(len(zero.configs))]  # fmt: skip
-    torch_groups = [(i, ps) for i, ps in torch_groups if ps or i > 0]
-    return model, ShardedOptimizer(zero, torch_groups, grad_views)
+            elif resident is not None:
+                param.register_post_accumulate_grad_hook(hand_over(name))
+    if resident is not None:
+        return None, grad_views
+    return Units(zero, model, named, hand_over), None

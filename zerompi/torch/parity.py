@@ -23,7 +23,7 @@ import torch
 from ._shard import shard
 
 VOCAB, DIM, ROWS = 13, 8, 3  # ROWS per rank and micro-batch
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 #: (decoupled weight decay, two parameter groups, name)
 VARIANTS = ((True, False, "AdamW"), (False, False, "Adam+L2"), (True, True, "AdamW 2 groups"))
 
@@ -41,12 +41,14 @@ class Tiny(torch.nn.Module):
         self.frozen.requires_grad_(False)
         self.norm = torch.nn.LayerNorm(DIM)
         self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied: one parameter, two modules
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.emb(idx)
         h = h + self.down(torch.tanh(self.up(h)))
-        h = self.norm(self.frozen(h)) * self.scale
-        return h @ self.emb.weight.T  # the tied head
+        h = self.norm(self.frozen(h)) * self.scale.to(h.dtype)
+        return self.head(h)
 
 
 def make_model(seed: int) -> Tiny:
@@ -75,7 +77,8 @@ def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 
 def compare(
-    comm: Any, stage: int, decoupled: bool, steps: int = 5, groups: bool = False
+    comm: Any, stage: int, decoupled: bool, steps: int = 5, groups: bool = False,
+    shared_memory: bool | None = None,
 ) -> dict[str, Any]:
     """Collective over ``comm``: train both; per parameter ``(absolute, relative)``
     difference to the reference, the two final learning rates, and whether the
@@ -85,7 +88,8 @@ def compare(
     model = make_model(rank)
     model, opt = shard(model, stage=stage, comm=comm, lr=3e-2, weight_decay=0.05,
                        decoupled_weight_decay=decoupled, bucket_elems=40,
-                       param_groups=param_groups(model) if groups else None)  # fmt: skip
+                       param_groups=param_groups(model) if groups else None,
+                       shared_memory=shared_memory)  # fmt: skip
     ref = make_model(0)
     ref_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     ref_params = param_groups(ref) if groups else [p for p in ref.parameters() if p.requires_grad]
@@ -103,7 +107,8 @@ def compare(
         ref_opt.zero_grad()
         for sched in scheds:
             sched.step()
-    got = dict(model.named_parameters())
+    with opt.full_parameters():  # (stage 3: gathered for the comparison)
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
     diffs = {}
     for name, param in ref.named_parameters():
         diff = (got[name] - param).abs().max().item()
@@ -113,6 +118,67 @@ def compare(
     lrs = ([opt.zero.configs[i].lr for i in opt.zero_groups], scheds[1].get_last_lr())
     opt.close()
     return {"diffs": diffs, "lrs": lrs, "buffers_from_rank_0": same}
+
+
+def compare_low(
+    comm: Any, stage: int, param_dtype: torch.dtype, steps: int = 5,
+    shared_memory: bool | None = None, decoupled: bool = True,
+    reduce_dtype: torch.dtype | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Collective: :func:`compare` for a ``param_dtype`` run (float32 master; AdamW,
+    or Adam + L2 with ``decoupled=False``; ``reduce_dtype`` as given: never summed
+    in 16 bits, so the reference is the same). The reference is FSDP2's
+    mixed-precision semantics computed in one process: a ``param_dtype`` copy of the
+    float32 master computes each rank's slice of each micro-batch in turn, the
+    gradients are summed in float32 (per rank over the micro-batches, then over
+    ranks) and averaged, and ``torch.optim.AdamW`` (``Adam``) updates the master.
+    Per parameter ``(absolute, relative)`` difference of the masters, and whether the
+    module's parameters are exactly the master rounded."""
+    rank, world = comm.rank, comm.size
+    model, opt = shard(make_model(rank), stage=stage, comm=comm, lr=3e-2, weight_decay=0.05,
+                       decoupled_weight_decay=decoupled, bucket_elems=40,
+                       param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                       shared_memory=shared_memory)  # fmt: skip
+    ref, low = make_model(0), make_model(0).to(param_dtype)
+    trainable = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    ref_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    ref_opt = ref_cls(list(trainable.values()), lr=3e-2, weight_decay=0.05)
+    low_params = dict(low.named_parameters())
+    for step in range(steps):
+        for micro in range(2):
+            idx, target = batch(step, micro, world)
+            mine = slice(rank * ROWS, (rank + 1) * ROWS)
+            loss_of(model, idx[mine], target[mine]).backward()
+        totals = {n: torch.zeros_like(p) for n, p in trainable.items()}
+        with torch.no_grad():
+            for name, p in trainable.items():
+                low_params[name].copy_(p)  # rounded to param_dtype
+        for r in range(world):
+            acc = {n: torch.zeros_like(p) for n, p in trainable.items()}
+            for micro in range(2):
+                idx, target = batch(step, micro, world)
+                rows = slice(r * ROWS, (r + 1) * ROWS)
+                low.zero_grad()
+                loss_of(low, idx[rows], target[rows]).backward()
+                for n in acc:
+                    acc[n] += low_params[n].grad.float()
+            for n in totals:
+                totals[n] += acc[n]
+        for n, p in trainable.items():
+            p.grad = totals[n] / world
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+    masters = opt.zero.full_params()
+    diffs = {}
+    for name, want in trainable.items():
+        diff = (torch.from_numpy(masters[name]) - want.detach()).abs().max().item()
+        diffs[name] = (diff, diff / max(want.abs().max().item(), 1e-30))
+    with opt.full_parameters():
+        rounded = all(torch.equal(p, torch.from_numpy(masters[n]).to(param_dtype))
+                      for n, p in model.named_parameters() if p.requires_grad)  # fmt: skip
+    opt.close()
+    return {"diffs": diffs, "rounded": rounded}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,247 @@
+"""Stage 3 for torch modules: a parameter's full value exists only while a module that
+uses it runs its forward or its backward (FSDP2's scheme; zerompi's buckets are the
+units: at stage 3 a bucket is the parameters one module registers, of one dtype).
+
+Each bucket has one flat torch tensor of its size, in ``param_dtype``. While the
+bucket is *resident* its parameters' data are views into that tensor; otherwise a
+parameter's data is an empty tensor, so reading it outside its module gives a
+0-element tensor, never freed memory. Releasing resizes the flat tensor's storage to 0
+(the memory goes back); gathering resizes it again and fills it with ``Allgatherv``
+(:meth:`zerompi.ZeroOptimizer.gather_into`). The storage *object* stays the same, so
+views that autograd saved in the forward (``weight.t()``) read the re-gathered values
+in the backward: FSDP2's storage handling.
+
+When, on every rank alike (torch runs the same hooks in the same order everywhere):
+
+* a forward pre-hook on every module that registers a trainable parameter (a tied
+  one: on each module that registers it) gathers its parameters' buckets; its forward
+  hook releases them and, with grad enabled, hooks the outputs, so the first gradient
+  that reaches one gathers them again before the module's backward (pre-backward);
+* a parameter's post-accumulate-grad hook hands its gradient to zerompi (a bucket is
+  reduce-scattered when complete) and releases the bucket once each of its parameters
+  has its gradient of this backward;
+* the end of every backward (an autograd engine callback) releases what is still
+  resident for it (a parameter that got no gradient);
+* ``step()``, ``load()`` release everything first (the shards change).
+
+Holds are counted: a bucket that two running modules use (a parent's parameter read
+while a child runs, a tied weight) is released by the last of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._tensors import storage_array, to_numpy, torch_dtype
+
+
+class Units:
+    """The resident/released state of every stage-3 bucket of ``zero`` and the hooks
+    that drive it (``named``: the trainable parameters by their zerompi names)."""
+
+    def __init__(
+        self, zero: Any, model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]],
+        hand_over: Callable[[str], Callable[[torch.nn.Parameter], None]],
+    ) -> None:  # fmt: skip
+        self.zero = zero
+        layout = zero.layout
+        count = len(layout.buckets)
+        self.dtypes = [zero.precisions[b.dtype].param for b in layout.buckets]
+        self.flats = [torch.empty(b.size, dtype=torch_dtype(d))
+                      for b, d in zip(layout.buckets, self.dtypes, strict=True)]  # fmt: skip
+        #: per bucket: (parameter, its full view of the flat tensor, its empty stand-in)
+        self.members: list[list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]]] = [
+            [] for _ in range(count)
+        ]
+        self.bucket_of: dict[torch.nn.Parameter, int] = {}
+        specs = {spec.name: spec for spec in layout.params}
+        with torch.no_grad():
+            for name, param in named:
+                index = layout.bucket_of[name]
+                spec, flat = specs[name], self.flats[index]
+                lo = spec.offset - layout.buckets[index].start
+                view = flat[lo : lo + spec.size].view(spec.shape)
+                self.members[index].append((param, view, flat.new_empty(0)))
+                self.bucket_of[param] = index
+                param.register_post_accumulate_grad_hook(self._after_grad(name, hand_over(name)))
+        self.holds = [0] * count  # forward holds
+        self.backward = [False] * count  # resident for the backward running now
+        self.pending = [0] * count  # gradients still to come in this backward
+        self.resident = [False] * count
+        self._callback_queued = False
+        for flat in self.flats:
+            flat.untyped_storage().resize_(0)
+        for index in range(count):
+            self._stand_in(index)
+        self._hook_modules(model)
+
+    # -- residency ---------------------------------------------------------------
+
+    def _gather(self, index: int) -> None:
+        if self.resident[index]:
+            return
+        flat = self.flats[index]
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        self.zero.gather_into(index, storage_array(flat, self.dtypes[index]))
+        self.resident[index] = True
+        for param, view, _ in self.members[index]:
+            param.data = view
+
+    def _stand_in(self, index: int) -> None:
+        for param, _, empty in self.members[index]:
+            param.data = empty
+
+    def _release(self, index: int) -> None:
+        if self.resident[index] and self.holds[index] == 0 and not self.backward[index]:
+            self._stand_in(index)
+            storage = self.flats[index].untyped_storage()
+            if not storage.resizable():
+                names = [tuple(p.shape) for p, _, _ in self.members[index]]
+                raise RuntimeError(
+                    f"stage 3 cannot free the storage of parameters {names}: something "
+                    "called .numpy() on one of them while it was gathered (torch then "
+                    "never lets that storage be resized); copy first: .clone().numpy()"
+                )
+            storage.resize_(0)
+            self.resident[index] = False
+
+    def release_all(self) -> None:
+        """Before the shards change (``step()``, ``load()``): nothing stays gathered.
+        A module still running (a step inside a forward) is an error."""
+        if any(self.holds):
+            raise RuntimeError("optimizer.step()/load() inside a module's forward")
+        self.backward = [False] * len(self.backward)
+        self._callback_queued = False  # (a backward that raised never ran it)
+        for index in range(len(self.flats)):
+            self._release(index)
+
+    def gathered_all(self) -> None:
+        """Collective: every bucket resident (``ShardedOptimizer.full_parameters``)."""
+        for index in range(len(self.flats)):
+            self.holds[index] += 1
+            self._gather(index)
+
+    def released_all(self) -> None:
+        for index in range(len(self.flats)):
+            self.holds[index] -= 1
+            self._release(index)
+
+    # -- hooks ---------------------------------------------------------------------
+
+    def _hook_modules(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            buckets = sorted({self.bucket_of[p] for p in module._parameters.values()
+                              if p is not None and p in self.bucket_of})  # fmt: skip
+            if buckets:
+                module.register_forward_pre_hook(self._pre_forward(buckets))
+                module.register_forward_hook(self._post_forward(buckets))
+
+    def _pre_forward(self, buckets: list[int]) -> Callable[..., None]:
+        def pre_forward(module: torch.nn.Module, args: Any) -> None:
+            for index in buckets:
+                self.holds[index] += 1
+                self._gather(index)
+
+        return pre_forward
+
+    def _post_forward(self, buckets: list[int]) -> Callable[..., None]:
+        def post_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+            for index in buckets:
+                self.holds[index] -= 1
+                self._release(index)
+            if torch.is_grad_enabled():
+                for tensor in _tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._pre_backward(buckets))
+
+        return post_forward
+
+    def _pre_backward(self, buckets: list[int]) -> Callable[[torch.Tensor], None]:
+        def pre_backward(grad: torch.Tensor) -> None:
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            for index in buckets:
+                if not self.backward[index]:
+                    self.backward[index] = True
+                    self.pending[index] = len(self.members[index])
+                self._gather(index)
+
+        return pre_backward
+
+    def _after_grad(
+        self, name: str, hand_over: Callable[[torch.nn.Parameter], None]
+    ) -> Callable[[torch.nn.Parameter], None]:
+        def after_grad(param: torch.nn.Parameter) -> None:
+            hand_over(param)
+            index = self.bucket_of[param]
+            if self.backward[index]:
+                self.pending[index] -= 1
+                if self.pending[index] <= 0:
+                    self.backward[index] = False
+                    self._release(index)
+
+        return after_grad
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        for index, waiting in enumerate(self.backward):
+            if waiting:
+                self.backward[index] = False
+                self._release(index)
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples/lists/dicts of them)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []
+
+
+class HandOver:
+    """Hooks that add each parameter's gradient into zerompi's buffer as autograd
+    computes it (stages 2-3, and any stage with ``param_dtype``/``reduce_dtype``):
+    cast to ``reduce_dtype``, torch's copy dropped. Where zerompi holds 16-bit
+    gradients in full buffers (stages 0-1) each backward ends with a fold
+    (:meth:`zerompi.ZeroOptimizer.fold`), so backward calls are summed in float32."""
+
+    def __init__(self, zero: Any) -> None:
+        self.zero = zero
+        self.fold = zero.plan.full_grads and any(p.low_grads for p in zero.precisions.values())
+        self._queued = False
+
+    def __call__(self, name: str) -> Callable[[torch.nn.Parameter], None]:
+        zero = self.zero
+
+        def hand_over(param: torch.nn.Parameter) -> None:
+            grad = to_numpy(param.grad)
+            if zero.plan.full_grads:
+                dst = zero.grads[name]
+                np.add(dst, grad, out=dst)
+                if self.fold and not self._queued:
+                    self._queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._folded)
+            else:
+                with zero.gradients(name) as staged:
+                    dst = staged[name]
+                    np.add(dst, grad, out=dst)
+            param.grad = None  # torch's copy is folded in
+
+        return hand_over
+
+    def reset(self) -> None:
+        """A step or ``zero_grad()``: a fold queued by a backward that raised (and so
+        never ran its callback) must not keep the next ones from being queued."""
+        self._queued = False
+
+    def _folded(self) -> None:
+        self._queued = False
+        self.zero.fold()
