@@ -232,7 +232,8 @@ def test_bad_models_are_refused_on_every_rank(comm: MPI.Intracomm) -> None:
     lists a frozen parameter or is no dict, a module whose parameters or buffers
     differ between ranks, an unsupported stage: the same error on every
     rank of ``comm`` (raised where only one rank is wrong, too); a ``param_dtype``
-    that is not a float dtype or not a dtype at all."""
+    that is not a float dtype or not a dtype at all; the step of an optimizer built
+    on the module's parameters before ``shard()``."""
     problems = []
     last = comm.rank == comm.size - 1
 
@@ -278,6 +279,19 @@ def test_bad_models_are_refused_on_every_rank(comm: MPI.Intracomm) -> None:
            TypeError, "must be a dict with a 'params' list")  # fmt: skip
     if comm.size > 1:
         expect("shapes", differ, Exception, "differ")
+    def optimizer_before() -> None:
+        m = make_model(0)
+        other = torch.optim.AdamW(m.parameters())
+        m, opt = shard(m, comm=comm, stage=2)
+        idx, target = batch(0, 0, 1)
+        loss_of(m, idx, target).backward()
+        try:
+            other.step()
+        finally:
+            opt.close()
+
+    expect("optimizer built before shard()", optimizer_before, RuntimeError,
+           "step the optimizer shard() returned instead")  # fmt: skip
     expect("stage 4", lambda: shard(make_model(0), stage=4, comm=comm), ValueError,
            "stage must be 0, 1, 2 or 3, got 4")  # fmt: skip
     expect("param_dtype", lambda: shard(make_model(0), comm=comm, param_dtype=torch.int8),

@@ -11,15 +11,40 @@ is refused.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 if TYPE_CHECKING:
     from .. import ZeroOptimizer
     from ._units import HandOver, Units
+
+
+#: id -> parameter, for every parameter a ShardedOptimizer trains (weak: a dropped
+#: model leaves no trace). Keyed by id: a tensor's ``==`` is elementwise.
+_MANAGED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_GUARD: list[Any] = []
+
+
+def _refuse_other_optimizers(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A global optimizer pre-step hook: another optimizer (built before ``shard()``,
+    or after it on the module's parameters) would step zerompi's parameter views
+    itself, and silently train something else than the ranks agree on."""
+    if isinstance(optimizer, ShardedOptimizer) or not _MANAGED:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if _MANAGED.get(id(param)) is param:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() on a parameter of shape "
+                    f"{tuple(param.shape)} that zerompi.torch.shard() trains: step the "
+                    "optimizer shard() returned instead (build no optimizer of your own "
+                    "on the module's parameters, before or after shard())"
+                )
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -52,6 +77,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: stage 3's per-bucket storages (None where parameters stay resident)
         self.units = units
         self._hand_over = hand_over
+        for group in self.param_groups:
+            for param in group["params"]:
+                _MANAGED[id(param)] = param
+        if not _GUARD:
+            _GUARD.append(register_optimizer_step_pre_hook(
+                _refuse_other_optimizers))  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):
