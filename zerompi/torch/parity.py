@@ -16,6 +16,7 @@ parameter's largest magnitude. ``tests/test_torch.py`` requires relative ≤ 1e-
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +24,6 @@ import torch
 from ._shard import shard
 
 VOCAB, DIM, ROWS = 13, 8, 3  # ROWS per rank and micro-batch
-STAGES = (0, 1, 2, 3)
 #: (decoupled weight decay, two parameter groups, name)
 VARIANTS = ((True, False, "AdamW"), (False, False, "Adam+L2"), (True, True, "AdamW 2 groups"))
 
@@ -181,6 +181,14 @@ def compare_low(
     return {"diffs": diffs, "rounded": rounded}
 
 
+#: (stage, shared_memory, label): stage 3 with the node's copy of the parameters
+#: (the default on one node with W > 1) and without it ("3s": per-module storages).
+MODES = ((0, None, "0"), (1, None, "1"), (2, None, "2"), (3, None, "3"), (3, False, "3s"))
+#: (decoupled weight decay, reduce dtype, name) of the bfloat16 ``param_dtype`` rows.
+LOW_VARIANTS = ((True, None, "AdamW bf16"), (False, None, "Adam+L2 bf16"),
+                (True, torch.bfloat16, "AdamW bf16/bf16"))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     from ..mpi.collectives import Comm
 
@@ -190,16 +198,21 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     comm = Comm(None, timeout=0)
     if comm.rank == 0:
-        print(f"zerompi.torch parity: W={comm.size}, torch {torch.__version__}, float32, "
-              f"{args.steps} steps of 2 backward() each; max over parameters, ranks")
-        print(f"{'stage':>5} {'optimizer':>14} {'max abs diff':>13} "
-              f"{'max rel diff':>13}")
-    for stage in STAGES:
-        for decoupled, groups, name in VARIANTS:
-            result = compare(comm.mpi, stage, decoupled, args.steps, groups)
+        print(f"zerompi.torch parity: W={comm.size}, torch {torch.__version__}, "
+              f"{args.steps} steps of 2 backward() each; max over parameters, ranks. "
+              "bf16 rows: param_dtype=bfloat16 (/bf16: reduce_dtype too), masters "
+              "against FSDP2's mixed-precision semantics in one process")  # fmt: skip
+        print(f"{'stage':>5} {'optimizer':>16} {'max abs diff':>13} {'max rel diff':>13}")
+    for stage, shared, label in MODES:
+        runs = [(name, partial(compare, comm.mpi, stage, d, args.steps, g, shared))
+                for d, g, name in VARIANTS]  # fmt: skip
+        runs += [(name, partial(compare_low, comm.mpi, stage, torch.bfloat16, args.steps,
+                                shared, d, r)) for d, r, name in LOW_VARIANTS]  # fmt: skip
+        for name, run in runs:
+            result = run()
             worst = [comm.max(max(d[i] for d in result["diffs"].values())) for i in (0, 1)]
             if comm.rank == 0:
-                print(f"{stage:>5} {name:>14} {worst[0]:>13.3g} {worst[1]:>13.3g}")
+                print(f"{label:>5} {name:>16} {worst[0]:>13.3g} {worst[1]:>13.3g}")
 
 
 if __name__ == "__main__":
