@@ -1,6 +1,6 @@
 """A small GPT-style language model trained with zerompi.torch on data it generates.
 
-    mpiexec -n 4 python scripts/gpt.py --stage 2 [--steps 200 --layers 2 --dim 128 ...]
+    mpiexec -n 4 python scripts/gpt.py --stage 3 [--steps 200 --layers 2 --dim 128 ...]
 
 The model: token and position embeddings, ``--layers`` pre-norm blocks (causal
 self-attention through ``scaled_dot_product_attention``, a GELU MLP), a final
@@ -41,29 +41,36 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="sequences per rank and step")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--every", type=int, default=20, help="print every this many steps")
+    parser.add_argument("--param-dtype", choices=["bfloat16"], default=None,
+                        help="compute in bfloat16 (float32 master, float32 reduction)")
+    parser.add_argument("--no-shared-memory", action="store_true",
+                        help="no node copy of the parameters: stage 3 then gathers each "
+                             "module's parameters before its forward and backward")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per rank
     comm = MPI.COMM_WORLD
     torch.manual_seed(0)
     model = GPT(args.vocab, args.seq, args.dim, args.layers, args.heads)
     trainable = list(model.parameters())
+    n = sum(p.numel() for p in trainable)  # (counted before stage 3 empties them)
     decay = [p for p in trainable if p.dim() >= 2 and p is not model.pos]
     no_decay = [p for p in trainable if p.dim() < 2] + [model.pos]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
     model, opt = shard(model, stage=args.stage, lr=args.lr, weight_decay=0.1,
-                       betas=(0.9, 0.95), param_groups=groups, max_norm=1.0)  # fmt: skip
+                       betas=(0.9, 0.95), param_groups=groups, max_norm=1.0,
+                       param_dtype=args.param_dtype,
+                       shared_memory=False if args.no_shared_memory else None)  # fmt: skip
     warm = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / args.steps))))  # fmt: skip
     if comm.rank == 0:
-        n = sum(p.numel() for p in trainable)
         print(f"gpt: {n:,} parameters, stage {args.stage}, {comm.size} rank(s), "
               f"{args.rows * comm.size} sequences of {args.seq} tokens per step")  # fmt: skip
     start, tokens = time.perf_counter(), 0
     half = args.seq // 2
     for step in range(args.steps):
         data = batch(step, comm.rank, args.rows, args.seq, args.vocab)
-        logits = model(data[:, :-1])
+        logits = model(data[:, :-1]).float()
         losses = F.cross_entropy(logits.transpose(1, 2), data[:, 1:], reduction="none")
         losses.mean().backward()
         opt.step()

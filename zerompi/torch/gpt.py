@@ -39,7 +39,10 @@ class Block(torch.nn.Module):
 
 class GPT(torch.nn.Module):
     """Token + position embeddings, ``layers`` :class:`Block` s, a final LayerNorm
-    and a head tied to the token embedding (one parameter used twice)."""
+    and a head tied to the token embedding (one parameter used twice). The head is a
+    module that registers the tied weight, not ``x @ tok.weight.T`` in this forward:
+    sharded per module (zerompi's stage 3, FSDP), a parameter is only whole inside
+    the forward of a module that registers it."""
 
     def __init__(self, vocab: int, seq: int, dim: int, layers: int, heads: int) -> None:
         super().__init__()
@@ -47,6 +50,8 @@ class GPT(torch.nn.Module):
         self.pos = torch.nn.Parameter(torch.zeros(seq, dim))
         self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied: registered in both modules that use it
         torch.nn.init.normal_(self.tok.weight, std=0.02)
         torch.nn.init.normal_(self.pos, std=0.02)
 
@@ -54,7 +59,7 @@ class GPT(torch.nn.Module):
         x = self.tok(idx) + self.pos[: idx.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.norm(x) @ self.tok.weight.T  # the head tied to the embedding
+        return self.head(self.norm(x))
 
 
 def parameter_count(vocab: int, seq: int, dim: int, layers: int) -> int:
