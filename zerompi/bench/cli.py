@@ -183,13 +183,29 @@ def parse_args(argv: Sequence[str] | None, rank: int = 0) -> argparse.Namespace:
 
 
 
+def _gpt_argv(argv: list[str]) -> list[str] | None:
+    """``argv`` without ``--model gpt`` when it is there (the side-by-side GPT
+    benchmark, :mod:`zerompi.bench.gpt`), else ``None``."""
+    for i, arg in enumerate(argv):
+        if arg == "--model" and argv[i + 1 : i + 2] == ["gpt"]:
+            return argv[:i] + argv[i + 2 :]
+        if arg == "--model=gpt":
+            return argv[:i] + argv[i + 1 :]
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 on every rank). A usage error, or an
     output path (``--json``, ``--plot``) that cannot be written, exits with status 2
     on every rank before anything is measured; a missing folder is made."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    gpt = _gpt_argv(argv)
+    if gpt is not None:  # launched without mpiexec; see zerompi.bench.gpt
+        from .gpt import main as gpt_main
+
+        return gpt_main(gpt)
     install_abort_hook()  # any exception on any rank ends the whole job
     comm = Comm()
-    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv, comm.rank)
         problem = prepare_outputs(comm, [args.json, args.plot])

@@ -1,0 +1,89 @@
+"""``python -m zerompi.bench --model gpt`` end to end at a tiny size, and its launcher's
+bookkeeping.
+
+The command launches ``mpiexec -n 2`` once per setup itself, so it runs as a plain
+subprocess here, in the serial run only (``mpi_skip``: an mpiexec inside an
+mpiexec'd test is not portable). Only the JSON's shape is checked, never a timing:
+every setup is a row that either ran (positive step time and peak RSS) or says why
+it is unsupported; a failed setup fails the test with the worker's reason. Skipped
+without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+from zerompi.bench.gpt import FAILED, SETUPS, _reason, add_ratios, gpt_config, table
+from zerompi.torch.gpt import parameter_count
+
+pytestmark = pytest.mark.mpi_skip
+ROOT = Path(__file__).parent.parent
+
+
+def test_tiny_run_has_a_row_per_setup(tmp_path: Path) -> None:
+    out = tmp_path / "made" / "gpt.json"  # the folder is made
+    cmd = [sys.executable, "-m", "zerompi.bench", "--model", "gpt", "--sizes", "2e5"]
+    cmd += ["--steps", "2", "--warmup", "1", "--timeout", "60", "--json", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "ZEROMPI_NO_ABORT_HOOK"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    results = json.loads(out.read_text())
+    assert results["ranks"] == 2 and results["steps"] == 2
+    rows = results["rows"]
+    assert [r["setup"] for r in rows] == list(SETUPS), text
+    for row in rows:
+        assert row["status"] in ("ok", "unsupported"), f"{row['setup']}: {row['reason']}"
+        if row["status"] == "unsupported":
+            assert row["reason"], row
+            continue
+        assert row["step_ms"] > 0 and row["rss_mib"] > 0, row
+        assert len(row["step_ms_per_rank"]) == len(row["rss_mib_per_rank"]) == 2
+        assert row["params"] == parameter_count(*(row["config"][k] for k in
+                                                  ("vocab", "seq", "dim", "layers")))  # fmt: skip
+        assert row["vs_best_torch"] > 0
+    assert "| params | setup | step ms |" in proc.stdout
+
+
+def test_refused_under_mpiexec() -> None:
+    """It launches mpiexec itself: a launcher's variables mean it was launched (Open
+    MPI's here: MPICH, which the test runs with, ignores them)."""
+    cmd = [sys.executable, "-m", "zerompi.bench", "--model", "gpt", "--sizes", "2e5"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMPI_COMM_WORLD_SIZE="2"),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "without mpiexec" in proc.stderr
+
+
+def test_sizes_are_close_to_the_target() -> None:
+    for size in (200_000, 16_000_000, 64_000_000):
+        cfg = gpt_config(size, 64)
+        got = parameter_count(cfg["vocab"], cfg["seq"], cfg["dim"], cfg["layers"])
+        assert abs(got - size) <= cfg["dim"], (size, cfg, got)
+
+
+def test_a_failed_setup_is_a_row_with_its_reason() -> None:
+    """The worker's own line wins over the tail; ratios skip failed rows and are
+    relative to the fastest torch setup of the same size."""
+    out = f"noise\n[1] {FAILED} 1: RuntimeError: gloo broke\nTraceback ...\n"
+    assert _reason(out, 1) == f"{FAILED} 1: RuntimeError: gloo broke"
+    assert _reason("a\nb\n", 137) == "exit status 137: a | b"
+    rows = [
+        {"setup": "zerompi-2", "size": 5, "params": 5, "status": "ok", "step_ms": 5.0,
+         "rss_mib": 1.0},
+        {"setup": "ddp", "size": 5, "params": 5, "status": "ok", "step_ms": 10.0, "rss_mib": 1.0},
+        {"setup": "fsdp2", "size": 5, "status": "failed", "reason": "timed out after 60 s"},
+        {"setup": "zerompi-3", "size": 5, "status": "unsupported", "reason": "stage 3"},
+    ]  # fmt: skip
+    add_ratios(rows)
+    assert [r["vs_best_torch"] for r in rows] == [0.5, 1.0, None, None]
+    text = table(rows)
+    assert "| 5 | fsdp2 | - | - | - | failed: timed out after 60 s |" in text
+    assert "| 5 | zerompi-2 | 5 | 0.50 | 1 | ok |" in text

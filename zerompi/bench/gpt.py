@@ -1,0 +1,366 @@
+"""Side by side: one whole GPT training step under zerompi and under torch's own
+data-parallel trainers.
+
+    python -m zerompi.bench --model gpt [--sizes 16e6,64e6] [--ranks 2] [--json PATH]
+
+Not under mpiexec: for every model size and setup this command launches
+``mpiexec -n RANKS python -m zerompi.bench.gpt --setup S --size P ...`` (a worker), so
+each setup runs in processes of its own and the peak resident set size a rank reports
+(``ru_maxrss``) is that setup's alone. The setups, all AdamW (lr 3e-4, weight decay
+0.1, one parameter group) on the same :class:`zerompi.torch.gpt.GPT`, the same initial
+values and the same per-rank batches, one thread per rank:
+
+* ``zerompi-1``, ``zerompi-2``, ``zerompi-3``: :func:`zerompi.torch.shard` at that
+  stage (a stage it refuses is reported "unsupported" with its message);
+* ``ddp``: ``DistributedDataParallel`` (gloo, ``gradient_as_bucket_view=True``) and
+  ``torch.optim.AdamW(fused=True)`` (``foreach`` where fused is refused);
+* ``zero-redundancy``: the same DDP and ``ZeroRedundancyOptimizer`` over AdamW;
+* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block, then the root, on
+  a CPU device mesh over gloo, and AdamW over its sharded parameters.
+
+torch's groups come from :func:`zerompi.torch.gloo.init_gloo`. A step is the forward,
+the backward, ``optimizer.step()`` and ``zero_grad()``, from an MPI barrier to its
+end; ``step_ms`` is the slowest rank's median over the timed steps (after the warm-up
+steps), ``vs_best_torch`` the ratio to the fastest torch setup of that size, and
+``rss_mib`` the largest peak RSS over the ranks (``rss_floor_mib``: the same before
+the model was built). A setup that fails, hangs (``--timeout``) or is refused is a
+row with its status and reason; the others still run. Rank 0 of a worker writes its
+row as JSON; this command prints a markdown table and writes every row (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..runtime import Parser, clock, count, max_rss_bytes, non_negative, positive, write_json
+
+SETUPS = ("zerompi-1", "zerompi-2", "zerompi-3", "ddp", "zero-redundancy", "fsdp2")
+TORCH_SETUPS = ("ddp", "zero-redundancy", "fsdp2")
+DEFAULT_SIZES = (16_000_000, 64_000_000)
+LR, WEIGHT_DECAY, LAYERS = 3e-4, 0.1, 4
+MIB = 2**20
+#: What a worker prints before it aborts, for the launcher to report.
+FAILED = "zerompi.bench.gpt: failed on rank"
+#: Variables a launcher sets in its ranks: this command must not run under one.
+_LAUNCHED = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+
+
+def gpt_config(params: int, seq: int) -> dict[str, int]:
+    """A GPT of about ``params`` parameters: ``LAYERS`` blocks of the widest ``dim``
+    (a multiple of 32, heads of 64) holding at most 80% of them, the vocabulary
+    making up the rest (the embedding, tied to the head)."""
+    from ..torch.gpt import parameter_count
+
+    dim = 32
+    while LAYERS * (12 * (dim + 32) ** 2 + 13 * (dim + 32)) <= 0.8 * params:
+        dim += 32
+    rest = params - parameter_count(0, seq, dim, LAYERS)
+    vocab = max(64, round(rest / dim))
+    return {"vocab": vocab, "seq": seq, "dim": dim, "layers": LAYERS, "heads": max(1, dim // 64)}
+
+
+# -- the worker: one setup, under mpiexec -----------------------------------------
+
+
+def _adamw(params: Any) -> tuple[Any, str]:
+    """torch's AdamW, fused where torch accepts it on these parameters."""
+    import torch
+
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True), "fused"
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True), "foreach"
+
+
+def build(setup: str, model: Any, comm: Any, timeout: float) -> tuple[Any, Any, str]:
+    """Collective: ``(module to call, optimizer, what it is)`` for ``setup``.
+    ``NotImplementedError`` where zerompi refuses the stage."""
+    import torch
+
+    if setup.startswith("zerompi-"):
+        from ..torch import shard
+
+        stage = int(setup.rsplit("-", 1)[1])
+        model, opt = shard(model, stage=stage, lr=LR, weight_decay=WEIGHT_DECAY, comm=comm.mpi)
+        return model, opt, f"zerompi.torch.shard(stage={stage}), AdamW"
+    from ..torch.gloo import init_gloo
+
+    init_gloo(comm.mpi, timeout=timeout)
+    if setup == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (comm.size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt, impl = _adamw(model.parameters())
+        return model, opt, f"fully_shard per block and root (gloo, CPU), AdamW {impl}"
+    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    if setup == "ddp":
+        opt, impl = _adamw(model.parameters())
+        return ddp, opt, f"DistributedDataParallel (gloo), AdamW {impl}"
+    if setup != "zero-redundancy":
+        raise ValueError(f"unknown setup {setup!r}")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    kwargs = {"optimizer_class": torch.optim.AdamW, "lr": LR, "weight_decay": WEIGHT_DECAY}
+    try:
+        opt, impl = ZeroRedundancyOptimizer(model.parameters(), fused=True, **kwargs), "fused"
+    except (RuntimeError, TypeError, ValueError):
+        opt, impl = ZeroRedundancyOptimizer(model.parameters(), foreach=True, **kwargs), "foreach"
+    return ddp, opt, f"DistributedDataParallel + ZeroRedundancyOptimizer (gloo), AdamW {impl}"
+
+
+def _refusal(comm: Any, error: BaseException | None) -> dict[str, Any] | None:
+    """Collective: ``None`` when every rank built its setup, else the row's status."""
+    reasons = comm.allgather(None if error is None else (
+        isinstance(error, NotImplementedError), f"{type(error).__name__}: {error}"))  # fmt: skip
+    failed = [(r, x) for r, x in enumerate(reasons) if x is not None]
+    if not failed:
+        return None
+    unsupported = len(failed) == comm.size and all(x[0] for _, x in failed)
+    if unsupported:
+        return {"status": "unsupported", "reason": failed[0][1][1]}
+    return {"status": "failed", "reason": "; ".join(f"rank {r}: {x[1]}" for r, x in failed)}
+
+
+def measure(args: argparse.Namespace, comm: Any) -> dict[str, Any]:
+    """Collective: build ``args.setup`` and time its steps; the row (every rank)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..torch.gpt import GPT, batch, parameter_count
+
+    torch.set_num_threads(1)
+    cfg = gpt_config(args.size, args.seq)
+    row: dict[str, Any] = {"setup": args.setup, "size": args.size, "ranks": comm.size,
+                           "params": parameter_count(cfg["vocab"], cfg["seq"], cfg["dim"],
+                                                     cfg["layers"]),
+                           "config": cfg, "rows_per_rank": args.rows}  # fmt: skip
+    floor = max_rss_bytes()
+    torch.manual_seed(0)
+    model = GPT(**cfg)
+    error: BaseException | None = None
+    try:
+        module, opt, what = build(args.setup, model, comm, args.gloo_timeout)
+    except Exception as exc:  # reported, collectively, as the setup's row
+        error = exc
+    refused = _refusal(comm, error)
+    if refused is not None:
+        return {**row, **refused}
+    times, vocab = [], cfg["vocab"]
+    for i in range(args.warmup + args.steps):
+        data = batch(i, comm.rank, args.rows, cfg["seq"], vocab)
+        comm.barrier()
+        start = clock()
+        loss = F.cross_entropy(module(data[:, :-1]).reshape(-1, vocab), data[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i >= args.warmup:
+            times.append(clock() - start)
+    mine = (1e3 * statistics.median(times), max_rss_bytes() / MIB, floor / MIB, float(loss.item()))
+    every = comm.allgather(mine)
+    if hasattr(opt, "close"):
+        opt.close()
+    return {
+        **row, "status": "ok", "reason": None, "what": what,
+        "step_ms": max(e[0] for e in every), "step_ms_per_rank": [e[0] for e in every],
+        "rss_mib": max(e[1] for e in every), "rss_mib_per_rank": [e[1] for e in every],
+        "rss_floor_mib": max(e[2] for e in every), "last_loss": every[0][3],
+        "torch_version": str(torch.__version__), "threads": torch.get_num_threads(),
+    }  # fmt: skip
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One setup under mpiexec; rank 0 writes the row to ``args.out``. An error in
+    a step (possibly on one rank) is printed with :data:`FAILED` and ends the job."""
+    from ..mpi.collectives import Comm
+
+    comm = Comm(None, timeout=0)
+    try:
+        row = measure(args, comm)
+    except Exception as exc:
+        sys.stderr.write(f"{FAILED} {comm.rank}: {type(exc).__name__}: {exc}\n"
+                         f"{traceback.format_exc()}")  # fmt: skip
+        sys.stderr.flush()
+        time.sleep(0.5)  # let the launcher forward it before the kill
+        comm.abort(1)
+    if comm.rank == 0:
+        write_json(args.out, row)
+    comm.barrier()
+    from ..torch.gloo import destroy_gloo
+
+    destroy_gloo()
+    return 0
+
+
+# -- the launcher: every setup, each in its own mpiexec ---------------------------
+
+
+def mpiexec() -> str:
+    """The launcher that goes with this Python's mpi4py: ``$MPIEXEC``, else the one
+    beside this Python (the MPICH wheel's), else the first on ``PATH``."""
+    beside = Path(sysconfig.get_path("scripts")) / "mpiexec"
+    found = os.environ.get("MPIEXEC") or (str(beside) if beside.exists() else None)
+    found = found or shutil.which("mpiexec")
+    if not found:
+        raise SystemExit("zerompi.bench --model gpt: no mpiexec (set MPIEXEC)")
+    return found
+
+
+def _reason(out: str, code: int | None) -> str:
+    """Why a worker failed, from its output: its own :data:`FAILED` line, else
+    zerompi's abort hook's, else the last lines."""
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    for marker in (FAILED, "zerompi: rank"):
+        found = [ln[ln.index(marker):] for ln in lines if marker in ln]
+        if found:
+            return found[0]
+    tail = " | ".join(lines[-3:])
+    return f"exit status {code}" + (f": {tail}" if tail else "")
+
+
+def launch(setup: str, size: int, args: argparse.Namespace, folder: str) -> dict[str, Any]:
+    """Run one setup in ``mpiexec -n args.ranks`` and return its row; a failure, a
+    timeout or a missing row is a row with ``status`` ``"failed"``."""
+    out = os.path.join(folder, f"{setup}-{size}.json")
+    cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "zerompi.bench.gpt",
+           "--setup", setup, "--size", str(size), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--seq", str(args.seq), "--rows", str(args.rows),
+           "--gloo-timeout", str(args.gloo_timeout), "--out", out]  # fmt: skip
+    # The workers import the zerompi this command runs, wherever they start.
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))  # fmt: skip
+    row = {"setup": setup, "size": size, "ranks": args.ranks, "command": " ".join(cmd)}
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        text, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # mpiexec, its proxies and every rank
+        proc.communicate()
+        return {**row, "status": "failed", "reason": f"timed out after {args.timeout:g} s"}
+    row["seconds"] = time.perf_counter() - start
+    if proc.returncode != 0 or not os.path.exists(out):
+        return {**row, "status": "failed", "reason": _reason(text, proc.returncode)}
+    with open(out) as f:
+        return {**row, **json.load(f)}
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``vs_best_torch``: each measured row's step time over the fastest torch setup
+    of the same size (``None`` when no torch setup of that size ran)."""
+    for row in rows:
+        best = [r["step_ms"] for r in rows if r["size"] == row["size"]
+                and r["setup"] in TORCH_SETUPS and r.get("status") == "ok"]  # fmt: skip
+        ok = row.get("status") == "ok" and best
+        row["vs_best_torch"] = row["step_ms"] / min(best) if ok else None
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    lines = ["| params | setup | step ms | vs best torch | peak RSS MiB/rank | status |",
+             "|---:|---|---:|---:|---:|---|"]  # fmt: skip
+    for r in rows:
+        params = f"{r.get('params', r['size']):,}"
+        if r.get("status") == "ok":
+            ratio = f"{r['vs_best_torch']:.2f}" if r["vs_best_torch"] is not None else "-"
+            cells = [f"{r['step_ms']:.0f}", ratio, f"{r['rss_mib']:.0f}", "ok"]
+        else:
+            cells = ["-", "-", "-", f"{r['status']}: {r['reason']}"]
+        lines.append(f"| {params} | {r['setup']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def build_parser(rank: int = 0) -> argparse.ArgumentParser:
+    """Options of the launcher and (``--setup``, ``--out``) of a worker; messages
+    from ``rank`` 0 only."""
+    p = Parser(
+        rank=rank,
+        prog="python -m zerompi.bench --model gpt",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog="Run it without mpiexec: it launches 'mpiexec -n RANKS' for every setup "
+        "and size ($MPIEXEC, else the mpiexec beside this Python, else PATH's).",
+    )
+    p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES),
+                   help="comma-separated model sizes in parameters (1.6e7 notation)")
+    p.add_argument("--setups", default=",".join(SETUPS),
+                   help=f"comma-separated setups, of {', '.join(SETUPS)}")
+    p.add_argument("--ranks", type=positive, default=2, help="ranks per setup")
+    p.add_argument("--steps", type=positive, default=5, help="timed steps")
+    p.add_argument("--warmup", type=non_negative, default=2, help="untimed steps before")
+    p.add_argument("--seq", type=positive, default=64, help="tokens per sequence")
+    p.add_argument("--rows", type=positive, default=1, help="sequences per rank and step")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds one setup may take before it is killed (a failed row)")
+    p.add_argument("--gloo-timeout", type=float, default=120.0,
+                   help="seconds torch.distributed waits for a peer")
+    p.add_argument("--json", metavar="PATH", help="write every row to PATH")
+    p.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)  # a worker
+    p.add_argument("--size", type=count, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The launcher (or, with ``--setup``, a worker). Exit status 0 when every row
+    was written, whatever the setups' statuses; 2 for a usage error."""
+    launched = [os.environ[k] for k in _LAUNCHED if k in os.environ]
+    rank = int(os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+    parser = build_parser(rank)
+    args = parser.parse_args(argv)
+    if args.setup is not None:
+        return worker(args)
+    if launched:
+        parser.error("run this without mpiexec: it launches 'mpiexec -n RANKS' itself for "
+                     "every setup (--ranks, default 2)")  # fmt: skip
+    sizes = [count(s) for s in args.sizes.split(",") if s.strip()]
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    unknown = sorted(set(setups) - set(SETUPS))
+    if unknown or not sizes or not setups:
+        parser.error(f"unknown setups {unknown}" if unknown else "no size or no setup")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="zerompi-gpt-") as folder:
+        for size in sizes:
+            for setup in setups:
+                row = launch(setup, size, args, folder)
+                ok = row.get("status") == "ok"
+                shown = (f"{row['step_ms']:.0f} ms, {row['rss_mib']:.0f} MiB" if ok
+                         else f"{row['status']}: {row['reason']}")  # fmt: skip
+                print(f"zerompi.bench gpt: {size:,} params, {setup}: {shown}", flush=True)
+                rows.append(row)
+    add_ratios(rows)
+    print(table(rows), flush=True)
+    if args.json:
+        write_json(args.json, {"ranks": args.ranks, "steps": args.steps, "warmup": args.warmup,
+                               "seq": args.seq, "rows_per_rank": args.rows,
+                               "argv": list(sys.argv[1:] if argv is None else argv),
+                               "rows": rows})  # fmt: skip
+        print(f"zerompi.bench gpt: wrote {args.json}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
