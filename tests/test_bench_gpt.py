@@ -5,8 +5,9 @@ The command launches ``mpiexec -n 2`` once per setup itself, so it runs as a pla
 subprocess here, in the serial run only (``mpi_skip``: an mpiexec inside an
 mpiexec'd test is not portable). Only the JSON's shape is checked, never a timing:
 every setup is a row that either ran (positive step time and peak RSS) or says why
-it is unsupported; a failed setup fails the test with the worker's reason. Skipped
-without torch.
+it is unsupported; a failed setup fails the test with the worker's reason. The
+setups train the same model on the same batches, so their last losses agree.
+Skipped without torch.
 """
 
 from __future__ import annotations
@@ -44,11 +45,15 @@ def test_tiny_run_has_a_row_per_setup(tmp_path: Path) -> None:
         if row["status"] == "unsupported":
             assert row["reason"], row
             continue
-        assert row["step_ms"] > 0 and row["rss_mib"] > 0, row
+        assert row["step_ms"] > 0 and row["rss_mib"] >= row["rss_end_mib"] > 0, row
+        assert row["pss_end_mib"] > 0, row
         assert len(row["step_ms_per_rank"]) == len(row["rss_mib_per_rank"]) == 2
         assert row["params"] == parameter_count(*(row["config"][k] for k in
                                                   ("vocab", "seq", "dim", "layers")))  # fmt: skip
         assert row["vs_best_torch"] > 0
+    # The same training everywhere: after the same steps, the same loss (to rounding).
+    losses = {r["setup"]: r["last_loss"] for r in rows if r["status"] == "ok"}
+    assert max(losses.values()) - min(losses.values()) <= 1e-4 * max(losses.values()), losses
     assert "| params | setup | step ms |" in proc.stdout
 
 
@@ -77,13 +82,14 @@ def test_a_failed_setup_is_a_row_with_its_reason() -> None:
     assert _reason("a\nb\n", 137) == "exit status 137: a | b"
     rows = [
         {"setup": "zerompi-2", "size": 5, "params": 5, "status": "ok", "step_ms": 5.0,
-         "rss_mib": 1.0},
-        {"setup": "ddp", "size": 5, "params": 5, "status": "ok", "step_ms": 10.0, "rss_mib": 1.0},
+         "rss_mib": 1.0, "pss_end_mib": 0.5},
+        {"setup": "ddp", "size": 5, "params": 5, "status": "ok", "step_ms": 10.0, "rss_mib": 1.0,
+         "pss_end_mib": 0.5},
         {"setup": "fsdp2", "size": 5, "status": "failed", "reason": "timed out after 60 s"},
         {"setup": "zerompi-3", "size": 5, "status": "unsupported", "reason": "stage 3"},
     ]  # fmt: skip
     add_ratios(rows)
     assert [r["vs_best_torch"] for r in rows] == [0.5, 1.0, None, None]
     text = table(rows)
-    assert "| 5 | fsdp2 | - | - | - | failed: timed out after 60 s |" in text
-    assert "| 5 | zerompi-2 | 5 | 0.50 | 1 | ok |" in text
+    assert "| 5 | fsdp2 | - | - | - | - | failed: timed out after 60 s |" in text
+    assert "| 5 | zerompi-2 | 5 | 0.50 | 1 | 0 | ok |" in text

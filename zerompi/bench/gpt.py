@@ -18,14 +18,25 @@ values and the same per-rank batches, one thread per rank:
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block, then the root, on
   a CPU device mesh over gloo, and AdamW over its sharded parameters.
 
-torch's groups come from :func:`zerompi.torch.gloo.init_gloo`. A step is the forward,
-the backward, ``optimizer.step()`` and ``zero_grad()``, from an MPI barrier to its
-end; ``step_ms`` is the slowest rank's median over the timed steps (after the warm-up
-steps), ``vs_best_torch`` the ratio to the fastest torch setup of that size, and
-``rss_mib`` the largest peak RSS over the ranks (``rss_floor_mib``: the same before
-the model was built). A setup that fails, hangs (``--timeout``) or is refused is a
-row with its status and reason; the others still run. Rank 0 of a worker writes its
-row as JSON; this command prints a markdown table and writes every row (``--json``).
+The model of about P parameters is :func:`gpt_config`'s (4 blocks, the width that
+holds 80% of P, the vocabulary the rest: 16M is width 512 and 6,556 tokens, 64M width
+1024 and 13,230); each rank's batch is ``--rows`` sequences of ``--seq`` tokens
+(default one of 64: on one core a 64M step is then about half a second of forward
+and backward, mostly reading the weights, which more tokens would barely change).
+
+torch's groups come from :func:`zerompi.torch.gloo.init_gloo`. A step is the
+forward, the backward, ``optimizer.step()`` and ``zero_grad()``, from an MPI barrier
+to its end; ``step_ms`` is the slowest rank's median over the timed steps (after the
+warm-up steps), ``vs_best_torch`` the ratio to the fastest torch setup of that size,
+and ``rss_mib`` the largest peak RSS over the ranks (``rss_floor_mib``: the same
+before the model was built; every setup builds the whole model before it shards it,
+so the peak includes one full copy of the parameters). ``pss_end_mib``: the largest
+proportional set size after the timed steps, which counts a page shared by the
+node's ranks (zerompi's one parameter copy per node at stages 1-2) once per node,
+not once per rank as RSS does (``rss_end_mib``). A setup that fails, hangs
+(``--timeout``) or is refused is a row with its status and reason; the others still
+run. Rank 0 of a worker writes its row as JSON; this command prints a markdown table
+and writes every row (``--json``).
 """
 
 from __future__ import annotations
@@ -45,7 +56,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..runtime import Parser, clock, count, max_rss_bytes, non_negative, positive, write_json
+from ..runtime import (
+    Parser,
+    clock,
+    count,
+    current_rss_bytes,
+    max_rss_bytes,
+    non_negative,
+    positive,
+    pss_bytes,
+    write_json,
+)
 
 SETUPS = ("zerompi-1", "zerompi-2", "zerompi-3", "ddp", "zero-redundancy", "fsdp2")
 TORCH_SETUPS = ("ddp", "zero-redundancy", "fsdp2")
@@ -174,7 +195,8 @@ def measure(args: argparse.Namespace, comm: Any) -> dict[str, Any]:
         opt.zero_grad()
         if i >= args.warmup:
             times.append(clock() - start)
-    mine = (1e3 * statistics.median(times), max_rss_bytes() / MIB, floor / MIB, float(loss.item()))
+    mine = (1e3 * statistics.median(times), max_rss_bytes() / MIB, floor / MIB, float(loss.item()),
+            current_rss_bytes() / MIB, pss_bytes() / MIB)  # fmt: skip
     every = comm.allgather(mine)
     if hasattr(opt, "close"):
         opt.close()
@@ -183,6 +205,7 @@ def measure(args: argparse.Namespace, comm: Any) -> dict[str, Any]:
         "step_ms": max(e[0] for e in every), "step_ms_per_rank": [e[0] for e in every],
         "rss_mib": max(e[1] for e in every), "rss_mib_per_rank": [e[1] for e in every],
         "rss_floor_mib": max(e[2] for e in every), "last_loss": every[0][3],
+        "rss_end_mib": max(e[4] for e in every), "pss_end_mib": max(e[5] for e in every),
         "torch_version": str(torch.__version__), "threads": torch.get_num_threads(),
     }  # fmt: skip
 
@@ -279,15 +302,16 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    lines = ["| params | setup | step ms | vs best torch | peak RSS MiB/rank | status |",
-             "|---:|---|---:|---:|---:|---|"]  # fmt: skip
+    lines = ["| params | setup | step ms | vs best torch | peak RSS MiB/rank | "
+             "PSS at end MiB/rank | status |", "|---:|---|---:|---:|---:|---:|---|"]  # fmt: skip
     for r in rows:
         params = f"{r.get('params', r['size']):,}"
         if r.get("status") == "ok":
             ratio = f"{r['vs_best_torch']:.2f}" if r["vs_best_torch"] is not None else "-"
-            cells = [f"{r['step_ms']:.0f}", ratio, f"{r['rss_mib']:.0f}", "ok"]
+            cells = [f"{r['step_ms']:.0f}", ratio, f"{r['rss_mib']:.0f}",
+                     f"{r['pss_end_mib']:.0f}", "ok"]  # fmt: skip
         else:
-            cells = ["-", "-", "-", f"{r['status']}: {r['reason']}"]
+            cells = ["-", "-", "-", "-", f"{r['status']}: {r['reason']}"]
         lines.append(f"| {params} | {r['setup']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
