@@ -45,6 +45,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime import (
+    HelpFormatter,
     Parser,
     clock,
     count,
@@ -280,7 +282,7 @@ def launch(setup: str, size: int, args: argparse.Namespace, folder: str) -> dict
     try:
         text, _ = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # mpiexec, its proxies and every rank
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec, its proxies and every rank
         proc.communicate()
         return {**row, "status": "failed", "reason": f"timed out after {args.timeout:g} s"}
     row["seconds"] = time.perf_counter() - start
@@ -325,6 +327,7 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0].replace("\n", " "),
         epilog="Run it without mpiexec: it launches 'mpiexec -n RANKS' for every setup "
         "and size ($MPIEXEC, else the mpiexec beside this Python, else PATH's).",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES),
                    help="comma-separated model sizes in parameters (1.6e7 notation)")
