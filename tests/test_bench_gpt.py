@@ -46,6 +46,7 @@ def test_tiny_run_has_a_row_per_setup(tmp_path: Path) -> None:
             assert row["reason"], row
             continue
         assert row["step_ms"] > 0 and row["rss_mib"] > 0 and row["rss_end_mib"] > 0, row
+        assert 0 < row["forward_backward_ms"] <= row["step_ms"], row  # (medians of parts)
         assert row["pss_end_mib"] > 0, row
         assert len(row["step_ms_per_rank"]) == len(row["rss_mib_per_rank"]) == 2
         assert row["params"] == parameter_count(*(row["config"][k] for k in
@@ -82,14 +83,14 @@ def test_a_failed_setup_is_a_row_with_its_reason() -> None:
     assert _reason("a\nb\n", 137) == "exit status 137: a | b"
     rows = [
         {"setup": "zerompi-2", "size": 5, "params": 5, "status": "ok", "step_ms": 5.0,
-         "rss_mib": 1.0, "pss_end_mib": 0.5},
+         "forward_backward_ms": 4.0, "rss_mib": 1.0, "pss_end_mib": 0.5},
         {"setup": "ddp", "size": 5, "params": 5, "status": "ok", "step_ms": 10.0, "rss_mib": 1.0,
-         "pss_end_mib": 0.5},
+         "forward_backward_ms": 4.0, "pss_end_mib": 0.5},
         {"setup": "fsdp2", "size": 5, "status": "failed", "reason": "timed out after 60 s"},
         {"setup": "zerompi-3", "size": 5, "status": "unsupported", "reason": "stage 3"},
     ]  # fmt: skip
     add_ratios(rows)
     assert [r["vs_best_torch"] for r in rows] == [0.5, 1.0, None, None]
     text = table(rows)
-    assert "| 5 | fsdp2 | - | - | - | - | failed: timed out after 60 s |" in text
-    assert "| 5 | zerompi-2 | 5 | 0.50 | 1 | 0 | ok |" in text
+    assert "| 5 | fsdp2 | - | - | - | - | - | failed: timed out after 60 s |" in text
+    assert "| 5 | zerompi-2 | 5 | 4 | 0.50 | 1 | 0 | ok |" in text

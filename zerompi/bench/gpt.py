@@ -12,6 +12,9 @@ values and the same per-rank batches, one thread per rank:
 
 * ``zerompi-1``, ``zerompi-2``, ``zerompi-3``: :func:`zerompi.torch.shard` at that
   stage (a stage it refuses is reported "unsupported" with its message);
+  ``zerompi-3s``: stage 3 with ``shared_memory=False``, so each module's parameters
+  are gathered before its forward and backward and freed after (on one node stage 3
+  otherwise reads the node's one shared copy);
 * ``ddp``: ``DistributedDataParallel`` (gloo, ``gradient_as_bucket_view=True``) and
   ``torch.optim.AdamW(fused=True)`` (``foreach`` where fused is refused);
 * ``zero-redundancy``: the same DDP and ``ZeroRedundancyOptimizer`` over AdamW;
@@ -27,7 +30,9 @@ and backward, mostly reading the weights, which more tokens would barely change)
 torch's groups come from :func:`zerompi.torch.gloo.init_gloo`. A step is the
 forward, the backward, ``optimizer.step()`` and ``zero_grad()``, from an MPI barrier
 to its end; ``step_ms`` is the slowest rank's median over the timed steps (after the
-warm-up steps), ``vs_best_torch`` the ratio to the fastest torch setup of that size,
+warm-up steps; ``forward_backward_ms`` the same up to the end of ``backward()``,
+which at stages 2-3, DDP and FSDP2 includes the reductions started by the backward's
+hooks), ``vs_best_torch`` the ratio to the fastest torch setup of that size,
 and ``rss_mib`` the largest peak RSS over the ranks (``rss_floor_mib``: the same
 before the model was built; every setup builds the whole model before it shards it,
 so the peak includes one full copy of the parameters). ``pss_end_mib``: the largest
@@ -70,7 +75,8 @@ from ..runtime import (
     write_json,
 )
 
-SETUPS = ("zerompi-1", "zerompi-2", "zerompi-3", "ddp", "zero-redundancy", "fsdp2")
+SETUPS = ("zerompi-1", "zerompi-2", "zerompi-3", "zerompi-3s", "ddp", "zero-redundancy",
+          "fsdp2")  # fmt: skip
 TORCH_SETUPS = ("ddp", "zero-redundancy", "fsdp2")
 DEFAULT_SIZES = (16_000_000, 64_000_000)
 LR, WEIGHT_DECAY, LAYERS = 3e-4, 0.1, 4
@@ -117,9 +123,12 @@ def build(setup: str, model: Any, comm: Any, timeout: float) -> tuple[Any, Any, 
     if setup.startswith("zerompi-"):
         from ..torch import shard
 
-        stage = int(setup.rsplit("-", 1)[1])
-        model, opt = shard(model, stage=stage, lr=LR, weight_decay=WEIGHT_DECAY, comm=comm.mpi)
-        return model, opt, f"zerompi.torch.shard(stage={stage}), AdamW"
+        mode = setup.rsplit("-", 1)[1]  # "3s": stage 3 without the node's parameter copy
+        stage, shared = int(mode[0]), (False if mode.endswith("s") else None)
+        model, opt = shard(model, stage=stage, lr=LR, weight_decay=WEIGHT_DECAY, comm=comm.mpi,
+                           shared_memory=shared)  # fmt: skip
+        extra = ", shared_memory=False" if shared is False else ""
+        return model, opt, f"zerompi.torch.shard(stage={stage}{extra}), AdamW"
     from ..torch.gloo import init_gloo
 
     init_gloo(comm.mpi, timeout=timeout)
@@ -186,19 +195,22 @@ def measure(args: argparse.Namespace, comm: Any) -> dict[str, Any]:
     refused = _refusal(comm, error)
     if refused is not None:
         return {**row, **refused}
-    times, vocab = [], cfg["vocab"]
+    times, passes, vocab = [], [], cfg["vocab"]
     for i in range(args.warmup + args.steps):
         data = batch(i, comm.rank, args.rows, cfg["seq"], vocab)
         comm.barrier()
         start = clock()
         loss = F.cross_entropy(module(data[:, :-1]).reshape(-1, vocab), data[:, 1:].reshape(-1))
         loss.backward()
+        middle = clock()
         opt.step()
         opt.zero_grad()
         if i >= args.warmup:
             times.append(clock() - start)
-    mine = (1e3 * statistics.median(times), max_rss_bytes() / MIB, floor / MIB, float(loss.item()),
-            current_rss_bytes() / MIB, pss_bytes() / MIB)  # fmt: skip
+            passes.append(middle - start)
+    mine = (1e3 * statistics.median(times), max_rss_bytes() / MIB, floor / MIB,
+            float(loss.item()), current_rss_bytes() / MIB, pss_bytes() / MIB,
+            1e3 * statistics.median(passes))  # fmt: skip
     every = comm.allgather(mine)
     if hasattr(opt, "close"):
         opt.close()
@@ -208,6 +220,7 @@ def measure(args: argparse.Namespace, comm: Any) -> dict[str, Any]:
         "rss_mib": max(e[1] for e in every), "rss_mib_per_rank": [e[1] for e in every],
         "rss_floor_mib": max(e[2] for e in every), "last_loss": every[0][3],
         "rss_end_mib": max(e[4] for e in every), "pss_end_mib": max(e[5] for e in every),
+        "forward_backward_ms": max(e[6] for e in every),
         "torch_version": str(torch.__version__), "threads": torch.get_num_threads(),
     }  # fmt: skip
 
@@ -304,16 +317,17 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    lines = ["| params | setup | step ms | vs best torch | peak RSS MiB/rank | "
-             "PSS at end MiB/rank | status |", "|---:|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines = ["| params | setup | step ms | of which forward + backward | vs best torch | "
+             "peak RSS MiB/rank | PSS at end MiB/rank | status |",
+             "|---:|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for r in rows:
         params = f"{r.get('params', r['size']):,}"
         if r.get("status") == "ok":
             ratio = f"{r['vs_best_torch']:.2f}" if r["vs_best_torch"] is not None else "-"
-            cells = [f"{r['step_ms']:.0f}", ratio, f"{r['rss_mib']:.0f}",
-                     f"{r['pss_end_mib']:.0f}", "ok"]  # fmt: skip
+            cells = [f"{r['step_ms']:.0f}", f"{r['forward_backward_ms']:.0f}", ratio,
+                     f"{r['rss_mib']:.0f}", f"{r['pss_end_mib']:.0f}", "ok"]  # fmt: skip
         else:
-            cells = ["-", "-", "-", "-", f"{r['status']}: {r['reason']}"]
+            cells = ["-", "-", "-", "-", "-", f"{r['status']}: {r['reason']}"]
         lines.append(f"| {params} | {r['setup']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -334,7 +348,7 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
     p.add_argument("--setups", default=",".join(SETUPS),
                    help=f"comma-separated setups, of {', '.join(SETUPS)}")
     p.add_argument("--ranks", type=positive, default=2, help="ranks per setup")
-    p.add_argument("--steps", type=positive, default=5, help="timed steps")
+    p.add_argument("--steps", type=positive, default=10, help="timed steps")
     p.add_argument("--warmup", type=non_negative, default=2, help="untimed steps before")
     p.add_argument("--seq", type=positive, default=64, help="tokens per sequence")
     p.add_argument("--rows", type=positive, default=1, help="sequences per rank and step")
