@@ -796,3 +796,35 @@ def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
     if low.shared_memory:
         problems.append("stage 0 claims shared memory")
     verdict(problems, f"stage {stage}")
+
+
+def test_stage_3_without_gather_buffers_gathers_into_the_caller_s_memory(
+    comm: MPI.Intracomm,
+) -> None:
+    """``gather_buffers=False`` (what the torch adapter asks for): no buffers for
+    ``gathered()`` are allocated (its ``param_bucket`` memory is gone from
+    ``memory_usage()``, nothing else changes), ``gathered()`` refuses on every rank,
+    and ``gather_into`` fills memory of the caller's with each bucket's parameters,
+    every group and dtype, empty shards included."""
+    params = make_params(TINY, seed=5)
+    opt = ZeroOptimizer(params, comm=comm, stage=3, shared_memory=False, gather_buffers=False)
+    plain = ZeroOptimizer(params, comm=comm, stage=3, shared_memory=False)
+    problems = []
+    gathers = sum(b for n, b in plain.memory_buffers().items() if n.startswith("param_bucket."))
+    want = dict(plain.memory_usage())
+    want["communication_buffers"] -= gathers
+    if gathers == 0 or opt.memory_usage() != want:
+        problems.append(f"usage {opt.memory_usage()} vs {want} ({gathers} gather bytes)")
+    full = plain.full_params()
+    for index, bucket in enumerate(opt.layout.buckets):
+        out = np.full(bucket.size, np.nan, dtype=bucket.dtype)
+        opt.gather_into(index, out)
+        want_flat = np.concatenate([full[n].ravel() for n in bucket.names])
+        if not np.array_equal(out, want_flat):
+            problems.append(f"bucket {index} {bucket.names}: gather_into gave {out}")
+    _, wrong = raises(RuntimeError, "gather_buffers=False",
+                      lambda: opt.gathered("a").__enter__(), "gathered")  # fmt: skip
+    problems += wrong
+    opt.close()
+    plain.close()
+    verdict(problems)

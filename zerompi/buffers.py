@@ -187,7 +187,7 @@ def placed_plan(
     return [
         (b, node if b.kind in plan.shared_kinds + plan.node_kinds else None,
          b.kind not in plan.node_kinds)
-        for b in bufs
+        for b in bufs if plan.layer_buffers or b.kind != "param_bucket"
     ]  # fmt: skip
 
 

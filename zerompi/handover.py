@@ -92,7 +92,7 @@ class HandOver:
         slots = 1 if self.plan.full_grads else OVERLAP_SLOTS if self.overlap else 1
         self._staging_blocks = [[None] * n for _ in range(slots)]
         self.layers: LayerGather | None = None
-        if not self.plan.full_params:  # from the master shard straight into the buffer
+        if not self.plan.full_params and self.plan.layer_buffers:  # shard -> buffer
             self.layers = LayerGather(
                 comm, layout, stores["param_bucket"], gather_slots(self.overlap),
                 self._gather_source,
@@ -219,7 +219,11 @@ class HandOver:
             self._gathered = (index, 0)
             return Block({n: self._params[n] for n in resolved}, always=self._release_gathered)
         layers = self.layers
-        assert layers is not None
+        if layers is None:
+            raise RuntimeError(
+                "opt.gathered(): this optimizer has no gather buffers (gather_buffers="
+                "False): its owner gathers with opt.gather_into()"
+            )
         start = time.perf_counter()
         slot = layers.gather(index)
         self.timings["allgather"] += time.perf_counter() - start

@@ -90,6 +90,8 @@ class ZeroOptimizer(HandOver, OptimizerState):
     ``opt.loss_scale``. ``rounding="stochastic"`` rounds the bfloat16 copy so.
     ``param_groups`` (torch's): other settings for the parameters a group lists
     (:mod:`zerompi.settings`); ``set_hyperparameters`` changes them between steps.
+    ``gather_buffers=False`` (stage 3): no buffers for ``gathered()``; the caller
+    gathers into its own memory with ``gather_into`` (the torch adapter).
     ``timeout`` (seconds; default ``$ZEROMPI_TIMEOUT``, else 600; ``0``/``"none"``:
     off) bounds every wait inside zerompi, then aborts (:mod:`zerompi.mpi.watchdog`).
     """
@@ -117,6 +119,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
         loss_scale: object = None,
         rounding: str = "nearest",
         param_groups: Sequence[Mapping[str, Any]] | None = None,
+        gather_buffers: bool = True,
     ) -> None:
         install_abort_hook()  # an uncaught exception on any rank aborts the whole job
         self.comm = Comm(comm, timeout=0)  # the watchdog is armed once settings agree
@@ -162,24 +165,21 @@ class ZeroOptimizer(HandOver, OptimizerState):
             (stage, self.configs, sorted(self._member.items()), int(bucket_elems)),
             "the optimizer settings (stage, hyperparameters, param_groups, bucket_elems)",
         )
-        comm_.check_same(
-            (self.max_norm, self.nonfinite), "the failure settings (max_norm, nonfinite)"
-        )
-        comm_.check_same((overlap, shared_memory), "(overlap, shared_memory)")
+        comm_.check_same((self.max_norm, nonfinite), "the failure settings (max_norm, nonfinite)")
+        comm_.check_same((overlap, shared_memory, bool(gather_buffers)),
+                         "(overlap, shared_memory, gather_buffers)")  # fmt: skip
         comm_.check_same(seconds, "the watchdog timeout (timeout or ZEROMPI_TIMEOUT)")
         comm_.check_same(dtypes, "the precision settings (param_dtype, reduce_dtype, loss_scale)")
         comm_.timeout = seconds
         comm_.enable_heartbeat()
         comm_.describe = self._describe
-        self.stage = stage
-        self.overlap = overlap
+        self.stage, self.overlap, self._gather_buffers = stage, overlap, bool(gather_buffers)
         self.nodes = nodes_of(comm_)  # how the ranks sit on nodes (:mod:`zerompi.mpi.nodes`)
         #: Whether node shared memory is in use (:func:`zerompi.plan.choose_shared`).
         self.shared_memory = choose_shared(
             shared_memory, stage, comm_, self.nodes, lambda: self._plan_buffers(True))
         self.plan = self._stage_plan(self.shared_memory)
-        self._closed = False
-        self.step_count = 0
+        self._closed, self.step_count = False, 0
         #: Steps skipped because the averaged gradient was not finite.
         self.skipped_steps = 0
         #: Global L2 norm of the last step's averaged gradient, before clipping
@@ -263,7 +263,7 @@ class ZeroOptimizer(HandOver, OptimizerState):
 
     def _stage_plan(self, shared: bool) -> StagePlan:
         low = any(p.low_grads for p in self.precisions.values())
-        return stage_plan(self.stage, shared, self.nodes.count == 1, low)
+        return stage_plan(self.stage, shared, self.nodes.count == 1, low, self._gather_buffers)
 
     def _plan_buffers(self, shared: bool) -> list[Placed]:
         plan, nodes = self._stage_plan(shared), self.nodes

@@ -65,6 +65,10 @@ class StagePlan:
     #: Buffers of which each node holds one copy that all its ranks map (stages
     #: 1-2's parameters).
     node_kinds: tuple[str, ...] = ()
+    #: Stage 3 without a node copy: zerompi's own gather buffers for ``gathered()``;
+    #: ``False`` where the caller gathers into its own memory (``gather_into``: the
+    #: torch adapter's per-module storages), so they are not allocated.
+    layer_buffers: bool = True
 
     @property
     def shared_memory(self) -> bool:
@@ -72,8 +76,9 @@ class StagePlan:
 
 
 def stage_plan(
-    stage: int, shared_memory: bool, one_node: bool = False, low_grads: bool = False
-) -> StagePlan:
+    stage: int, shared_memory: bool, one_node: bool = False, low_grads: bool = False,
+    layer_buffers: bool = True,
+) -> StagePlan:  # fmt: skip
     """The plan of ``stage``. With ``shared_memory``:
 
     * the parameters are one copy per node at stages 1-2, and at stage 3 on
@@ -95,6 +100,7 @@ def stage_plan(
             ("grads",) if shared and stage == 1 and not low_grads else ()),
         # stage 3 over several nodes: the gathered layers, one copy per node
         node_kinds=("params",) if node_copy else (("param_bucket",) if shared else ()),
+        layer_buffers=layer_buffers,
     )
 
 

@@ -12,8 +12,8 @@ is computed, so a bucket's reduction starts during the backward, as with the num
 API. Stage 3 (without a node copy) gathers a module's parameters into a storage of
 its own before its forward and its backward and frees it after (FSDP2's storage
 handling). ``param_dtype=torch.bfloat16`` computes with zerompi's rounded copy and
-keeps the float32 master and reduction. torch is an optional extra (``pip install -e ".[torch]"``): ``import zerompi``
-never imports it; this package does.
+keeps the float32 master and reduction. torch is an optional extra (``pip install
+-e ".[torch]"``): ``import zerompi`` never imports it; this package does.
 
 Modules: :mod:`._shard` (validation, zero-copy parameters, routing), :mod:`._units`
 (stage 3's per-bucket storages and the hooks that gather and free them; the gradient

@@ -206,6 +206,7 @@ def shard(
         bucket_elems=bucket_elems, max_norm=max_norm, shared_memory=shared_memory,
         timeout=timeout, param_groups=groups, param_dtype=dtypes[0],
         reduce_dtype=dtypes[1], loss_scale=loss_scale,
+        gather_buffers=False,  # stage 3 gathers into the modules' own storages (_units)
     )  # fmt: skip
     _broadcast_rest(zero.comm, model, dtypes[0])
     hand_over = HandOver(zero)
