@@ -10,8 +10,7 @@ different ports), kept for the tests on the same communicator and ended when the
 communicator changes and after the module (the ``gloo`` fixture). The parity setting is
 :mod:`zerompi.torch.ddp_parity`'s: the parity model, each rank's slice of every
 global micro-batch, two ``backward()`` per step, a ``StepLR`` schedule; DDP on one
-side, ``shard`` at each stage on the other, in the same processes. A stage ``shard``
-refuses (stage 3, until it is supported) is skipped on every rank. Skipped without
+side, ``shard`` at each stage on the other, in the same processes. Skipped without
 torch.
 """
 
@@ -56,6 +55,7 @@ def gloo(comm: MPI.Intracomm) -> object:
     if _CURRENT.get("comm") is not comm or not active():
         destroy_gloo()
         _CURRENT.clear()
+        _DDP.clear()  # (keyed by id(comm): a new communicator may reuse an old one's id)
         init_gloo(comm, timeout=60.0)
         _CURRENT["comm"] = comm
     return init_gloo(comm)  # idempotent: the active group
@@ -76,8 +76,6 @@ def test_matches_torch_ddp(
     if key not in _DDP:
         _DDP[key] = train_ddp(comm, decoupled, groups)
     result = compare_ddp(comm, stage, decoupled, groups, ddp=_DDP[key])
-    if not result["supported"]:
-        pytest.skip(result["reason"])  # the same on every rank: shard refused the stage
     problems = [f"{name} differs by {a:.3g} (relative {r:.3g})"
                 for name, (a, r) in result["diffs"].items() if not r <= 1e-5]  # fmt: skip
     if not result["loss_rel"] <= 1e-5:

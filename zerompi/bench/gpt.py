@@ -11,7 +11,8 @@ each setup runs in processes of its own and the peak resident set size a rank re
 values and the same per-rank batches, one thread per rank:
 
 * ``zerompi-1``, ``zerompi-2``, ``zerompi-3``: :func:`zerompi.torch.shard` at that
-  stage (a stage it refuses is reported "unsupported" with its message);
+  stage (a ``NotImplementedError`` raised by every rank, from zerompi or a peer, is
+  reported "unsupported" with its message);
   ``zerompi-3s``: stage 3 with ``shared_memory=False``, so each module's parameters
   are gathered before its forward and backward and freed after (on one node stage 3
   otherwise reads the node's one shared copy);

@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 if TYPE_CHECKING:
     from .. import ZeroOptimizer
-    from ._units import HandOver, Units
+    from ._units import GradientHooks, Units
 
 
 #: id -> parameter, for every parameter a ShardedOptimizer trains (weak: a dropped
@@ -60,7 +60,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups: Sequence[tuple[int, Sequence[torch.nn.Parameter]]],
         grad_views: dict[torch.nn.Parameter, torch.Tensor] | None,
         units: Units | None = None,
-        hand_over: HandOver | None = None,
+        hand_over: GradientHooks | None = None,
     ) -> None:
         def settings(i: int) -> dict[str, Any]:
             c = zero.configs[i]

@@ -34,7 +34,7 @@ from ..partition import DEFAULT_BUCKET_ELEMS
 from ..precision import resolve_dtype
 from ._optim import ShardedOptimizer
 from ._tensors import to_torch, torch_dtype
-from ._units import HandOver, Units
+from ._units import GradientHooks, Units
 
 #: torch dtypes a parameter the optimizer steps on may have (the master dtype).
 MASTER_DTYPES = (torch.float32, torch.float64)
@@ -209,7 +209,7 @@ def shard(
         gather_buffers=False,  # stage 3 gathers into the modules' own storages (_units)
     )  # fmt: skip
     _broadcast_rest(zero.comm, model, dtypes[0])
-    hand_over = HandOver(zero)
+    hand_over = GradientHooks(zero)
     units, grad_views = _route(zero, model, named, hand_over)
     torch_groups = [(i, [p for n, p in named if zero.param_group(n) == i])
                     for i in range(len(zero.configs))]  # fmt: skip
@@ -219,7 +219,7 @@ def shard(
 
 def _route(
     zero: Any, model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]],
-    hand_over: HandOver,
+    hand_over: GradientHooks,
 ) -> tuple[Units | None, dict[torch.nn.Parameter, torch.Tensor] | None]:
     """Where parameters live and gradients go. Parameters: views of zerompi's full
     (node) copy where it has one, else stage 3's per-bucket storages (:class:`Units`).

@@ -100,9 +100,9 @@ class Units:
             self._stand_in(index)
             storage = self.flats[index].untyped_storage()
             if not storage.resizable():
-                names = [tuple(p.shape) for p, _, _ in self.members[index]]
+                shapes = [tuple(p.shape) for p, _, _ in self.members[index]]
                 raise RuntimeError(
-                    f"stage 3 cannot free the storage of parameters {names}: something "
+                    f"stage 3 cannot free the storage of parameters {shapes}: something "
                     "called .numpy() on one of them while it was gathered (torch then "
                     "never lets that storage be resized); copy first: .clone().numpy()"
                 )
@@ -206,7 +206,7 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     return []
 
 
-class HandOver:
+class GradientHooks:
     """Hooks that add each parameter's gradient into zerompi's buffer as autograd
     computes it (stages 2-3, and any stage with ``param_dtype``/``reduce_dtype``):
     cast to ``reduce_dtype``, torch's copy dropped. Where zerompi holds 16-bit

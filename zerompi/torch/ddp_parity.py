@@ -5,8 +5,8 @@
 The same processes train the parity model of :mod:`zerompi.torch.parity` twice: with
 ``torch.nn.parallel.DistributedDataParallel`` on a gloo group of the same ranks
 (:func:`zerompi.torch.gloo.init_gloo`) and ``torch.optim.AdamW`` / ``Adam`` (+ L2) /
-AdamW over two parameter groups, and with :func:`zerompi.torch.shard` at every stage
-(stage 3 is reported "not supported" while ``shard`` refuses it). Both sides start
+AdamW over two parameter groups, and with :func:`zerompi.torch.shard` at every stage.
+Both sides start
 from rank-dependent initial values (each must take rank 0's), see each rank's slice
 of every global micro-batch, accumulate two ``backward()`` calls per step (DDP
 reduces on the second, under ``no_sync()`` for the first, as a DDP user writes it)
@@ -20,7 +20,6 @@ relative to DDP's loss (max over ranks). ``tests/test_torch_ddp.py`` requires â‰
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from typing import Any
 
@@ -29,7 +28,16 @@ import torch
 
 from ._shard import shard
 from .gloo import init_gloo
-from .parity import ROWS, VARIANTS, batch, loss_of, make_model, param_groups
+from .parity import (
+    ROWS,
+    VARIANTS,
+    batch,
+    cli,
+    differences,
+    loss_of,
+    make_model,
+    param_groups,
+)
 
 #: Every stage zerompi has; a stage ``shard`` refuses is reported, not run.
 STAGES = (0, 1, 2, 3)
@@ -87,8 +95,7 @@ def train_zerompi(
 ) -> tuple[dict[str, np.ndarray], list[float]]:
     """Collective over ``comm``: ``zerompi.torch.shard`` at ``stage``; the final
     trainable parameters (:meth:`zerompi.ZeroOptimizer.full_params`, so at any stage)
-    and this rank's losses. ``NotImplementedError`` where ``shard`` refuses the
-    stage (on every rank: the arguments are the same everywhere)."""
+    and this rank's losses."""
     rank, world = comm.rank, comm.size
     model = make_model(rank)
     model, opt = shard(model, stage=stage, comm=comm, lr=LR, weight_decay=WEIGHT_DECAY,
@@ -113,48 +120,32 @@ def compare_ddp(
     """Collective over ``comm`` (needs a gloo group of its ranks: :func:`init_gloo`
     is called, and returns the active one if it was made for ``comm``). This rank's
     differences between DDP and zerompi at ``stage``: per parameter ``(absolute,
-    relative)``, and the largest absolute and relative loss difference; or
-    ``{"supported": False, "reason": ...}`` where ``shard`` refuses the stage.
+    relative)``, and the largest absolute and relative loss difference.
     ``ddp``: :func:`train_ddp`'s result for the same arguments, when the caller has
     it already (it does not depend on the stage); trained here otherwise."""
-    try:
-        mine, mine_losses = train_zerompi(comm, stage, decoupled, groups, steps)
-    except NotImplementedError as exc:
-        return {"supported": False, "reason": str(exc)}
+    mine, mine_losses = train_zerompi(comm, stage, decoupled, groups, steps)
     theirs, losses = ddp if ddp is not None else train_ddp(comm, decoupled, groups, steps)
-    diffs = {}
-    for name, ref in theirs.items():
-        diff = float(np.max(np.abs(mine[name] - ref)))
-        diffs[name] = (diff, diff / max(float(np.max(np.abs(ref))), 1e-30))
     loss_abs = [abs(a - b) for a, b in zip(mine_losses, losses, strict=True)]
     loss_rel = [d / max(abs(b), 1e-30) for d, b in zip(loss_abs, losses, strict=True)]
-    return {"supported": True, "diffs": diffs, "loss_abs": max(loss_abs),
+    return {"diffs": differences(mine, theirs), "loss_abs": max(loss_abs),
             "loss_rel": max(loss_rel), "losses": (mine_losses, losses)}  # fmt: skip
 
 
-def worst(comm: Any, result: dict[str, Any]) -> dict[str, Any]:
+def worst(comm: Any, result: dict[str, Any]) -> dict[str, float]:
     """Collective: :func:`compare_ddp`'s result reduced to the largest parameter and
     loss differences over the parameters and ``comm``'s ranks."""
     from ..mpi.collectives import Comm
 
     c = Comm(comm, timeout=0)
-    if not result["supported"]:
-        return result
     own = [max(d[0] for d in result["diffs"].values()), max(d[1] for d in result["diffs"].values()),
            result["loss_abs"], result["loss_rel"]]  # fmt: skip
     keys = ("param_abs", "param_rel", "loss_abs", "loss_rel")
-    return {"supported": True, **{k: c.max(v) for k, v in zip(keys, own, strict=True)}}
+    return {k: c.max(v) for k, v in zip(keys, own, strict=True)}
 
 
 def main(argv: list[str] | None = None) -> None:
     """Print one row per stage: DDP-vs-zerompi parameter / loss differences."""
-    from ..mpi.collectives import Comm
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    comm = Comm(None, timeout=0)
+    args, comm = cli(argv, __doc__.splitlines()[0])
     init_gloo(comm.mpi)
     if comm.rank == 0:
         print(f"zerompi.torch vs torch DDP (gloo): W={comm.size}, torch {torch.__version__}, "
@@ -168,9 +159,6 @@ def main(argv: list[str] | None = None) -> None:
         for (decoupled, groups, _), ref in zip(VARIANTS, ddp, strict=True):
             result = compare_ddp(comm.mpi, stage, decoupled, groups, args.steps, ref)
             result = worst(comm.mpi, result)
-            if not result["supported"]:
-                cells.append(f"not supported: {result['reason']}")
-                break
             cells.append(f"{result['param_rel']:.1e} / {result['loss_rel']:.1e}")
         if comm.rank == 0:
             print(f"| {stage} | " + " | ".join(cells) + " |", flush=True)

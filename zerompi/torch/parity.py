@@ -3,7 +3,7 @@
     mpiexec -n W python -m zerompi.torch.parity [--steps 5]
 
 Trains a small model with what real models have (an embedding tied to the output
-head, a residual MLP block, a frozen layer, LayerNorm, a buffer) at every supported
+head, a residual MLP block, a frozen layer, LayerNorm, a buffer) at every
 stage with AdamW and with Adam + L2, each rank on its slice of every global
 micro-batch, two ``backward()`` calls per step and a ``StepLR`` schedule, and with
 AdamW over two parameter groups (decay and no decay, two learning rates); a copy of
@@ -16,6 +16,7 @@ parameter's largest magnitude. ``tests/test_torch.py`` requires relative ≤ 1e-
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -76,6 +77,29 @@ def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
             {"params": vectors, "weight_decay": 0.0, "lr": 1e-2}]  # fmt: skip
 
 
+def differences(got: Mapping[str, Any], want: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
+    """Per name in ``want``: the largest absolute difference of ``got[name]`` (tensors
+    or arrays alike) and that relative to ``want[name]``'s largest magnitude."""
+    out = {}
+    for name, ref in want.items():
+        a, b = torch.as_tensor(got[name]).detach(), torch.as_tensor(ref).detach()
+        diff = (a - b).abs().max().item()
+        out[name] = (diff, diff / max(b.abs().max().item(), 1e-30))
+    return out
+
+
+def cli(argv: list[str] | None, description: str) -> tuple[argparse.Namespace, Any]:
+    """The parity tables' command line (``--steps``), one thread per rank, and the
+    world's :class:`zerompi.mpi.collectives.Comm`."""
+    from ..mpi.collectives import Comm
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    return args, Comm(None, timeout=0)
+
+
 def compare(
     comm: Any, stage: int, decoupled: bool, steps: int = 5, groups: bool = False,
     shared_memory: bool | None = None,
@@ -109,10 +133,7 @@ def compare(
             sched.step()
     with opt.full_parameters():  # (stage 3: gathered for the comparison)
         got = {n: p.detach().clone() for n, p in model.named_parameters()}
-    diffs = {}
-    for name, param in ref.named_parameters():
-        diff = (got[name] - param).abs().max().item()
-        diffs[name] = (diff, diff / max(param.abs().max().item(), 1e-30))
+    diffs = differences(got, dict(ref.named_parameters()))
     buffers = dict(model.named_buffers())
     same = all(torch.equal(buffers[n], b) for n, b in ref.named_buffers())
     lrs = ([opt.zero.configs[i].lr for i in opt.zero_groups], scheds[1].get_last_lr())
@@ -170,10 +191,7 @@ def compare_low(
         ref_opt.step()
         opt.zero_grad()
     masters = opt.zero.full_params()
-    diffs = {}
-    for name, want in trainable.items():
-        diff = (torch.from_numpy(masters[name]) - want.detach()).abs().max().item()
-        diffs[name] = (diff, diff / max(want.abs().max().item(), 1e-30))
+    diffs = differences(masters, trainable)
     with opt.full_parameters():
         rounded = all(torch.equal(p, torch.from_numpy(masters[n]).to(param_dtype))
                       for n, p in model.named_parameters() if p.requires_grad)  # fmt: skip
@@ -190,13 +208,7 @@ LOW_VARIANTS = ((True, None, "AdamW bf16"), (False, None, "Adam+L2 bf16"),
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ..mpi.collectives import Comm
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    comm = Comm(None, timeout=0)
+    args, comm = cli(argv, __doc__.splitlines()[0])
     if comm.rank == 0:
         print(f"zerompi.torch parity: W={comm.size}, torch {torch.__version__}, "
               f"{args.steps} steps of 2 backward() each; max over parameters, ranks. "
