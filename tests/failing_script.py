@@ -12,6 +12,9 @@ where they would wait forever without zerompi's abort hook):
 * ``load``: reading a checkpoint (reading the file fails on that rank only);
 * ``interrupt``: a ``KeyboardInterrupt`` in the user's code;
 * ``thread``: an exception in a helper thread of that rank;
+* ``kill``: that rank SIGKILLs itself inside an ``opt.gradients()`` block (no Python
+  code runs after it, so only the launcher can end the others: mpiexec does,
+  ``srun`` needs ``--kill-on-bad-exit``);
 * ``none``: no failure; trains, saves and loads, and exits 0.
 
 Just before raising, the failing rank prints ``FAILING_AT <time.time()>`` to stderr,
@@ -23,6 +26,7 @@ directory). Runs under ``python -m mpi4py`` as well.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -34,7 +38,7 @@ from mpi4py import MPI
 from zerompi import ZeroOptimizer
 from zerompi.mpi.launch import install_abort_hook
 
-PHASES = ("model", "collective", "step", "save", "load", "interrupt", "thread", "none")
+PHASES = ("model", "collective", "step", "save", "load", "interrupt", "thread", "kill", "none")
 STEPS = 3
 
 
@@ -105,6 +109,9 @@ def main(argv: list[str]) -> int:
             g["b"] += err.mean(axis=0)
             if failing and phase == "collective":
                 fail_here(phase, rank)
+            if failing and phase == "kill":
+                print(f"FAILING_AT {time.time():.6f}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
         opt.step()
 
     if phase in ("save", "load", "none"):

@@ -189,6 +189,19 @@ def test_failure_on_one_rank_ends_the_job(phase: str, ranks: int) -> None:
     assert seconds < LIMIT, f"the job took {seconds:.1f}s to end after the failure\n{out}"
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_killed_rank_ends_the_job(ranks: int) -> None:
+    """SIGKILL leaves zerompi no chance to abort: the launcher must end the others,
+    which wait in the reduce-scatter the dead rank never joins. (Under SLURM the same
+    is srun's --kill-on-bad-exit, which the slurm/ scripts pass; scripts/slurm_ci
+    checks it.)"""
+    code, out, end = run(launch(ranks, "kill", str(ranks - 1)))
+    assert code != 0, out
+    assert "done:" not in out, out
+    seconds = seconds_after_failure(out, end)
+    assert seconds < LIMIT, f"the job took {seconds:.1f}s to end after the kill\n{out}"
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_a_run_without_failure_exits_0(ranks: int, tmp_path: Path) -> None:
     code, out, _ = run(launch(ranks, "none", "0", str(tmp_path / "state.ckpt")))
