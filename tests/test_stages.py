@@ -520,6 +520,64 @@ def test_deferred_init_failure_raises_on_every_rank(comm: MPI.Intracomm, stage: 
     verdict(problems, f"stage {stage}")
 
 
+@pytest.mark.parametrize("param_dtype", [None, "float16"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_deferred_release_runs_on_every_rank_once_its_value_is_held(
+    comm: MPI.Intracomm, stage: int, param_dtype: str | None
+) -> None:
+    """``Deferred.release`` (how ``zerompi.torch`` frees a module's own copy while
+    the optimizer is built): called once per parameter on every rank, on rank 0 after
+    its ``init``; the values are still rank 0's. Both initialization paths: whole
+    buffers (stages 0-2) and bucket by bucket (stage 3, a rounded copy)."""
+    calls: Counter = Counter()
+    model, values = deferred_model(calls)
+    released: list[tuple[str, int]] = []
+    for name, value in model.items():
+        if isinstance(value, Deferred):
+            mark = lambda n=name: released.append((n, calls[n]))  # noqa: E731
+            model[name] = Deferred(value.shape, value.dtype, value.init, mark)
+    opt = ZeroOptimizer(model, comm=comm, stage=stage, bucket_elems=3, param_dtype=param_dtype)
+    deferred = sorted(n for n, v in model.items() if isinstance(v, Deferred))
+    problems = []
+    if sorted(n for n, _ in released) != deferred:
+        problems.append(f"rank {comm.rank} released {released}, want each of {deferred} once")
+    inits = {n: c for n, c in released}
+    if comm.rank == 0 and inits != dict.fromkeys(deferred, 1):
+        problems.append(f"rank 0 released before init: {inits}")
+    if comm.rank and any(inits.values()):
+        problems.append(f"rank {comm.rank} called init: {inits}")
+    params = current_params(opt)
+    for name, want in values.items():
+        if param_dtype is None:
+            problems += compare(params[name], want, True, f"{name!r}")
+        elif not np.allclose(np.asarray(params[name], want.dtype), want, rtol=1e-3, atol=1e-4):
+            problems.append(f"{name!r}: {params[name]} is not {want} rounded to {param_dtype}")
+    verdict(problems, f"stage {stage}, param_dtype {param_dtype}")
+
+
+def test_deferred_release_failure_raises_on_every_rank(comm: MPI.Intracomm) -> None:
+    """A ``release`` that raises on the last rank only: every rank raises, naming it,
+    at stages 2 and 3 (the two initialization paths); the communicator stays in step."""
+    problems = []
+    base = make_params(TINY, seed=29)
+    last = comm.size - 1
+
+    def release() -> None:
+        if comm.rank == last:
+            raise OSError("cannot free c.w")
+
+    for stage in (2, 3):
+        model = {**base, "c.w": Deferred((2, 2), F64, lambda: base["c.w"].copy(), release)}
+        build = lambda m=model, s=stage: ZeroOptimizer(m, comm=comm, stage=s, bucket_elems=3)  # noqa: E731
+        exc, wrong = raises(CollectiveError, "cannot free c.w", build, f"stage {stage}")
+        problems += wrong
+        if exc is not None and not str(exc).endswith(f"(on rank {last} of {comm.size})"):
+            problems.append(f"stage {stage}: {exc} does not name rank {last} of {comm.size}")
+    opt = ZeroOptimizer(base, comm=comm, stage=3, bucket_elems=3, **HYPER)
+    problems += train(opt, ReferenceAdam(base, **HYPER), TINY, 1, api="streamed")
+    verdict(problems, "release failure")
+
+
 # -- 6. memory and traffic per stage ---------------------------------------------------------
 
 

@@ -228,6 +228,11 @@ def aligned_empty(count: int, dtype: np.dtype | type) -> np.ndarray:
     return raw[shift : shift + nbytes].view(dtype)
 
 
+#: The buffer kinds that initialization writes (the parameters, in every form); the
+#: others' pages are touched after it (:meth:`BufferPool.touch`).
+INITIALIZED = ("params", "master", "params_low")
+
+
 class BufferPool:
     """Named flat buffers by category. ``usage()`` is the optimizer's memory."""
 
@@ -237,6 +242,8 @@ class BufferPool:
         self._buffers: dict[str, tuple[str, np.ndarray, int]] = {}
         #: Shared-memory segments by buffer name (released by :meth:`close`).
         self.segments: dict[str, SharedSegment] = {}
+        #: Private buffers allocated with ``touch=False``, zero-filled by :meth:`touch`.
+        self._untouched: list[np.ndarray] = []
 
     def zeros(
         self,
@@ -246,12 +253,15 @@ class BufferPool:
         category: str,
         shared: Comm | None = None,
         per_rank: bool = True,
+        touch: bool = True,
     ) -> np.ndarray:
         """Allocate a zero-filled buffer ``name`` of ``count`` elements; with
         ``shared`` (collective), in a shared-memory segment over that communicator
         (the ranks of one node), whose peers' parts are ``self.segments[name].peers``;
         with ``per_rank=False`` too, one array every rank of ``shared`` maps (the
-        node's one copy), of which :meth:`usage` counts this rank's share."""
+        node's one copy), of which :meth:`usage` counts this rank's share. A private
+        buffer with ``touch=False`` is neither filled nor held until :meth:`touch`
+        (its contents are undefined until then)."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown buffer category {category!r}; expected one of {CATEGORIES}")
         if name in self._buffers:
@@ -269,10 +279,19 @@ class BufferPool:
             # posix_fallocate gave zeroed pages, held already: no rank writes the
             # node's copy here (that would race with another rank's first writes).
             share = node_share(array.nbytes, shared.size, shared.rank)
+        elif shared is None and not touch:
+            self._untouched.append(array)
         else:
             array.fill(0)  # touch every page now, so the memory is really held
         self._buffers[name] = (category, array, share)
         return array
+
+    def touch(self) -> None:
+        """Zero-fill the buffers allocated with ``touch=False``: from here on their
+        memory is really held, as :meth:`usage` says."""
+        for array in self._untouched:
+            array.fill(0)
+        self._untouched = []
 
     def close(self) -> None:
         """Release the shared-memory segments: this pool no longer reaches the peers'

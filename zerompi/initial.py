@@ -42,6 +42,28 @@ def initialize(
     comm.agree(error)
 
 
+class Releases:
+    """The :attr:`Deferred.release` calls of one initialization, on every rank: each
+    as soon as its value is held; the first exception is kept and raised on every
+    rank by :meth:`agree` (one collective at the end, not one per bucket)."""
+
+    def __init__(self, params: Mapping[str, np.ndarray | Deferred]) -> None:
+        self.params = params
+        self.error: BaseException | None = None
+
+    def __call__(self, names: Sequence[str]) -> None:
+        for name in names:
+            value = self.params[name]
+            if isinstance(value, Deferred) and value.release is not None and self.error is None:
+                try:
+                    value.release()
+                except Exception as exc:
+                    self.error = exc
+
+    def agree(self, comm: Comm) -> None:
+        comm.agree(self.error)
+
+
 def initialize_by_bucket(
     comm: Comm,
     layout: Layout,
@@ -56,10 +78,12 @@ def initialize_by_bucket(
     rounded, into the model's copy (``part.low``). With ``nodes`` the model's copy is
     one per node: this rank writes its region of it, then the node fences."""
     temp = {d: np.zeros(layout.max_bucket(d), d) for d in layout.sizes}
+    release = Releases(params)
     for i, (bucket, part) in enumerate(zip(layout.buckets, parts, strict=True)):
         buf = temp[bucket.dtype][: bucket.size]
         initialize(comm, params, bucket.names, lambda n, b=bucket, f=buf: bucket_view(f, b, n))
         comm.bcast_inplace(buf, root=0, tag=i)
+        release(bucket.names)
         mine = buf[slice(*bucket.local(comm.rank))]
         whole = part.param.shape[0] == bucket.size  # stage 0: Adam runs on everything
         if nodes is not None:  # this rank's region of its node's copy
@@ -79,3 +103,20 @@ def initialize_by_bucket(
             round_low(part.param, part.low)  # stage 3: the shard it gathers from
     if nodes is not None:
         nodes.node.fence()
+    release.agree(comm)
+
+
+def initialize_whole(
+    comm: Comm,
+    params: Mapping[str, np.ndarray | Deferred],
+    views: Mapping[str, np.ndarray],
+    flats: Sequence[np.ndarray],
+) -> None:
+    """Collective: rank 0's initial values into ``views`` (each parameter's view of
+    the full flat buffers ``flats``), then each flat buffer broadcast at once."""
+    initialize(comm, params, list(views), lambda name: views[name])
+    for index, flat in enumerate(flats):
+        comm.bcast_inplace(flat, root=0, tag=-2 - index)
+    release = Releases(params)
+    release(list(views))
+    release.agree(comm)

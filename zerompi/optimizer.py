@@ -36,10 +36,10 @@ import numpy as np
 
 from .adam import AdamConfig, adam_step, sr_key
 from .arrays import FlatArrays, check_failure_settings, check_params
-from .buffers import OVERLAP_SLOTS, BufferPool, Placed, placed_plan
+from .buffers import INITIALIZED, OVERLAP_SLOTS, BufferPool, Placed, placed_plan
 from .gather import MPIGather, NodeGather, NoGather
 from .handover import HandOver
-from .initial import initialize, initialize_by_bucket
+from .initial import initialize_by_bucket, initialize_whole
 from .mpi.agreement import CollectiveError, agree_step
 from .mpi.collectives import Comm
 from .mpi.launch import check_world, install_abort_hook
@@ -205,8 +205,9 @@ class ZeroOptimizer(HandOver, OptimizerState):
         plan = self._plan_buffers(self.shared_memory)
         for buf, shared, per_rank in plan:
             stores.setdefault(buf.kind, {})[buf.master] = pool.zeros(
-                buf.name, buf.count, buf.dtype, buf.category, shared, per_rank
-            )
+                buf.name, buf.count, buf.dtype, buf.category, shared, per_rank,
+                touch=buf.kind in INITIALIZED,
+            )  # fmt: skip
         self._stores = stores
         self._flat = stores["params"]  # full params (0-2) or shard (3)
         self._specs = {spec.name: spec for spec in layout.params}
@@ -219,12 +220,11 @@ class ZeroOptimizer(HandOver, OptimizerState):
                 view.flags.writeable = False  # a rounded copy: writing it would not stick
             self._params = FlatArrays(views, "parameter", read_only=low)
         if self.plan.full_params and not low and not node_copy:
-            initialize(comm, params, list(self._order), lambda name: views[name])
-            for index, flat in enumerate(self._flat.values()):
-                comm.bcast_inplace(flat, root=0, tag=-2 - index)
+            initialize_whole(comm, params, views, list(self._flat.values()))
         else:  # a node's ranks write their regions of its copy (then one fence)
             initialize_by_bucket(comm, layout, self.parts, params, self._bucket_view,
                                  nodes if node_copy else None)  # fmt: skip
+        pool.touch()  # the other buffers' pages, now that Deferred copies are released
         # One kernel call per run of buckets contiguous in memory, unless each
         # bucket's gather must start as soon as its part is updated.
         merge = self.plan.gather == "none" or (self.plan.gather == "node" and nodes.count == 1)

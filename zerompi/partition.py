@@ -105,11 +105,18 @@ def gather_shards(shards: Sequence[np.ndarray], shape: Sequence[int]) -> np.ndar
 class Deferred:
     """A parameter described by shape and dtype, made by ``init()`` only when and where
     it is needed: on rank 0 alone, one bucket at a time. This is what lets a stage-3
-    model larger than one rank's memory be built without ever holding it whole."""
+    model larger than one rank's memory be built without ever holding it whole.
+
+    ``release()``, if given, is called on every rank once the optimizer holds the
+    value (after its bucket's broadcast), before the optimizer touches the pages of
+    its other buffers: the caller's copy (a module's own parameter) can be freed
+    there, so the caller's copy and the optimizer state never coexist in full. An
+    exception from it is raised on every rank when the optimizer is built."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
     init: Callable[[], np.ndarray]
+    release: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
