@@ -62,6 +62,28 @@ def test_matches_single_process_torch(
     assert_all(not problems, "\n".join(problems[:6]))
 
 
+@pytest.mark.parametrize("overlap", [None, True, False])
+@pytest.mark.parametrize("mode", ["2", "3", "3s"])
+def test_staging_slots_by_default_and_on_request(
+    comm: MPI.Intracomm, mode: str, overlap: bool | None
+) -> None:
+    """``overlap``: two staging slots by default at stage 2, one at stage 3 (its
+    slots are the largest module's size); either on request, with the same results."""
+    stage, shared = MODES[mode]
+    result = compare(comm, stage, True, steps=3, shared_memory=shared, overlap=overlap)
+    problems = [f"{name} differs by {a:.3g} (relative {r:.3g})"
+                for name, (a, r) in result["diffs"].items() if not r <= 1e-5]  # fmt: skip
+    _, opt = shard(make_model(0), stage=stage, comm=comm, shared_memory=shared,
+                   overlap=overlap)  # fmt: skip
+    want = stage < 3 if overlap is None else overlap
+    slot = 4 * opt.zero.layout.max_bucket(np.dtype(np.float32))  # bytes
+    slots = opt.zero.pool.buffers().get("grad_bucket.float32", 0) // slot
+    if opt.zero.overlap is not want or slots != 1 + want:
+        problems.append(f"overlap {opt.zero.overlap}, {slots} staging slots; want {want}")
+    opt.close()
+    assert_all(not problems, "\n".join(problems[:6]))
+
+
 @pytest.mark.parametrize(
     ("decoupled", "reduce_dtype"), [(True, None), (False, None), (True, "bfloat16")],
     ids=["adamw", "adam_l2", "adamw_bf16_reduce"],
@@ -175,6 +197,50 @@ def test_parameters_are_views_and_gradients_land_in_zerompi(
         elif param.grad is not None:
             problems.append(f"{name}: stage {stage} left torch's gradient")
     opt.step()
+    opt.close()
+    assert_all(not problems, "\n".join(problems[:6]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_module_s_own_copy_is_freed_before_zerompi_fills_its_state(
+    comm: MPI.Intracomm, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Peak memory: ``shard()`` hands each parameter over as a ``Deferred`` whose
+    release drops the module's storage once zerompi holds the value, so when the
+    optimizer touches its moment and gradient buffers (``BufferPool.touch``) no
+    trainable parameter of the module holds memory of its own, on any rank. The
+    values are still rank 0's (the parity tests), and the storages really die: no
+    tensor still refers to them."""
+    from zerompi.buffers import BufferPool
+
+    model = make_model(comm.rank)  # different values per rank: rank 0's must win
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    old = [p.detach() for p in trainable]  # (sharing the storages only)
+    storages = [t.untyped_storage()._weak_ref() for t in old]
+    want = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    want = comm.bcast(want if comm.rank == 0 else None)
+    del old
+    seen: list[str] = []
+    touch = BufferPool.touch
+
+    def checked(pool: BufferPool) -> None:
+        held = [tuple(p.shape) for p in trainable if p.numel()]
+        live = sum(not torch.UntypedStorage._expired(ref) for ref in storages)
+        seen.append(f"shapes {held}, {live} storages alive" if held or live else "")
+        touch(pool)
+
+    monkeypatch.setattr(BufferPool, "touch", checked)
+    stage, shared = MODES[mode]
+    model, opt = shard(model, stage=stage, comm=comm, shared_memory=shared, bucket_elems=40)
+    problems = [f"at the touch: {s}" for s in seen if s]
+    if len(seen) != 1:
+        problems.append(f"BufferPool.touch ran {len(seen)} times, not once")
+    with opt.full_parameters():
+        for name, param in model.named_parameters():
+            if name in want and not torch.equal(param.detach(), want[name]):
+                problems.append(f"{name} is not rank 0's initial value")
+    for ref in storages:
+        torch.UntypedStorage._free_weak_ref(ref)
     opt.close()
     assert_all(not problems, "\n".join(problems[:6]))
 

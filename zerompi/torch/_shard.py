@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..mpi.collectives import Comm
-from ..partition import DEFAULT_BUCKET_ELEMS
+from ..partition import DEFAULT_BUCKET_ELEMS, Deferred
 from ..precision import resolve_dtype
 from ._optim import ShardedOptimizer
 from ._tensors import to_torch, torch_dtype
@@ -129,6 +129,23 @@ def _broadcast_rest(comm: Comm, model: torch.nn.Module, param_dtype: str | None)
                     param.data = param.data.to(wanted)
 
 
+def _taken(param: torch.nn.Parameter) -> Deferred:
+    """``param`` as the optimizer's initial value (read on rank 0 only), whose
+    storage is dropped on every rank once the optimizer holds it, before its other
+    buffers are touched: the module's own copy and zerompi's state never coexist in
+    full (``_route`` then points the parameter at zerompi's memory)."""
+
+    def release() -> None:
+        with torch.no_grad():
+            param.data = param.data.new_empty(0)
+
+    def value() -> np.ndarray:
+        return param.detach().numpy()
+
+    dtype = torch.empty(0, dtype=param.dtype).numpy().dtype  # (no reference to the data)
+    return Deferred(tuple(param.shape), dtype, value, release)
+
+
 def _buffer_hook(view: torch.Tensor) -> Any:
     def keep_in_buffer(param: torch.nn.Parameter) -> None:
         grad = param.grad
@@ -158,6 +175,7 @@ def shard(
     reduce_dtype: object = None,
     param_groups: list[dict[str, Any]] | None = None,
     loss_scale: object = None,
+    overlap: bool | None = None,
 ) -> tuple[torch.nn.Module, ShardedOptimizer]:
     """Collective: shard ``model``'s trainable parameters over ``comm`` (default
     ``COMM_WORLD``) at ``stage`` and return ``(model, optimizer)``; the module is
@@ -175,6 +193,10 @@ def shard(
     ``reduce_dtype``: the dtype gradients are handed over and moved in (default
     float32; 16-bit ones are still summed in float32); ``loss_scale``: zerompi's
     (multiply the loss by ``optimizer.loss_scale`` before ``backward()``).
+    ``overlap`` (default: at stages 0-2 only): a second staging slot, so the next
+    bucket's gradients can be handed over while one is being reduced; each slot
+    is the size of the largest bucket (at stage 3 the largest module, often the
+    embedding), and at stage 3, chosen for memory, one is the default.
 
     Stage 3 (without a node copy of the parameters: over several nodes, or
     ``shared_memory=False``) gathers a module's parameters before its forward and
@@ -199,13 +221,14 @@ def shard(
     except (TypeError, ValueError) as exc:
         error = exc
     check.agree(error)
-    arrays = {name: param.detach().numpy() for name, param in named}
     zero = ZeroOptimizer(
-        arrays, comm=comm, stage=stage, lr=lr, betas=betas, eps=eps,
+        {name: _taken(param) for name, param in named}, comm=comm, stage=stage, lr=lr,
+        betas=betas, eps=eps,
         weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
         bucket_elems=bucket_elems, max_norm=max_norm, shared_memory=shared_memory,
         timeout=timeout, param_groups=groups, param_dtype=dtypes[0],
         reduce_dtype=dtypes[1], loss_scale=loss_scale,
+        overlap=stage < 3 if overlap is None else overlap,
         gather_buffers=False,  # stage 3 gathers into the modules' own storages (_units)
     )  # fmt: skip
     _broadcast_rest(zero.comm, model, dtypes[0])

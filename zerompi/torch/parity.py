@@ -102,18 +102,19 @@ def cli(argv: list[str] | None, description: str) -> tuple[argparse.Namespace, A
 
 def compare(
     comm: Any, stage: int, decoupled: bool, steps: int = 5, groups: bool = False,
-    shared_memory: bool | None = None,
+    shared_memory: bool | None = None, overlap: bool | None = None,
 ) -> dict[str, Any]:
     """Collective over ``comm``: train both; per parameter ``(absolute, relative)``
     difference to the reference, the two final learning rates, and whether the
     buffers are rank 0's. Rank-dependent initial values: ``shard`` must take rank
-    0's everywhere. ``groups``: with :func:`param_groups` on both sides."""
+    0's everywhere. ``groups``: with :func:`param_groups` on both sides; ``overlap``:
+    ``shard``'s (its staging slots)."""
     rank, world = comm.rank, comm.size
     model = make_model(rank)
     model, opt = shard(model, stage=stage, comm=comm, lr=3e-2, weight_decay=0.05,
                        decoupled_weight_decay=decoupled, bucket_elems=40,
                        param_groups=param_groups(model) if groups else None,
-                       shared_memory=shared_memory)  # fmt: skip
+                       shared_memory=shared_memory, overlap=overlap)  # fmt: skip
     ref = make_model(0)
     ref_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     ref_params = param_groups(ref) if groups else [p for p in ref.parameters() if p.requires_grad]
