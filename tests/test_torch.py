@@ -336,7 +336,13 @@ def test_bad_models_are_refused_on_every_rank(comm: MPI.Intracomm) -> None:
         m = make_model(0)
         if last:
             m.register_buffer("extra", torch.zeros(2))
-        shard(m, comm=comm)
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        try:
+            shard(m, comm=comm)
+        finally:  # refused: the module is untouched (its storages not yet handed over)
+            for n, p in m.named_parameters():
+                if p.shape != before[n].shape or not torch.equal(p.detach(), before[n]):
+                    problems.append(f"a refused shard() changed {n}")
 
     expect("group", frozen_in_a_group, ValueError, "not a trainable parameter")
     if comm.size > 1:

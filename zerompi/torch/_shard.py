@@ -105,16 +105,18 @@ def _named_groups(
     return out
 
 
+def _rest(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's frozen parameters and buffers, in ``named_*`` order."""
+    rest = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    return rest + list(model.named_buffers())
+
+
 def _broadcast_rest(comm: Comm, model: torch.nn.Module, param_dtype: str | None) -> None:
-    """Frozen parameters and buffers from rank 0, in ``named_*`` order, once every
-    rank has the same ones (else an error on every rank, not mismatched broadcasts).
+    """Frozen parameters and buffers from rank 0, in ``named_*`` order (``shard``
+    checked first that every rank has the same ones: no mismatched broadcasts).
     With ``param_dtype`` frozen floating parameters are then cast to it, so the
     module computes in one dtype (FSDP2's policy; buffers keep theirs)."""
-    rest = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    rest += list(model.named_buffers())
-    comm.check_same([(n, tuple(t.shape), str(t.dtype)) for n, t in rest],
-                    "the module's frozen parameters and buffers (name, shape, dtype)")  # fmt: skip
-    for _, tensor in rest:
+    for _, tensor in _rest(model):
         with torch.no_grad():
             data = tensor.detach()
             array = np.ascontiguousarray(data.numpy())
@@ -221,6 +223,10 @@ def shard(
     except (TypeError, ValueError) as exc:
         error = exc
     check.agree(error)
+    # Every refusal before the ZeroOptimizer takes the parameters (their storages are
+    # freed as it does): a refused shard() leaves the module as it was.
+    check.check_same([(n, tuple(t.shape), str(t.dtype)) for n, t in _rest(model)],
+                     "the module's frozen parameters and buffers (name, shape, dtype)")  # fmt: skip
     zero = ZeroOptimizer(
         {name: _taken(param) for name, param in named}, comm=comm, stage=stage, lr=lr,
         betas=betas, eps=eps,
