@@ -111,7 +111,9 @@ class Deferred:
     value (after its bucket's broadcast), before the optimizer touches the pages of
     its other buffers: the caller's copy (a module's own parameter) can be freed
     there, so the caller's copy and the optimizer state never coexist in full. An
-    exception from it is raised on every rank when the optimizer is built."""
+    exception from it is raised on every rank when the optimizer is built. Every
+    check of the arguments comes before the first release; a failure after it (an
+    ``init`` that raises on a later bucket) leaves the earlier values released."""
 
     shape: tuple[int, ...]
     dtype: np.dtype

@@ -6,9 +6,8 @@ The same processes train the parity model of :mod:`zerompi.torch.parity` twice: 
 ``torch.nn.parallel.DistributedDataParallel`` on a gloo group of the same ranks
 (:func:`zerompi.torch.gloo.init_gloo`) and ``torch.optim.AdamW`` / ``Adam`` (+ L2) /
 AdamW over two parameter groups, and with :func:`zerompi.torch.shard` at every stage.
-Both sides start
-from rank-dependent initial values (each must take rank 0's), see each rank's slice
-of every global micro-batch, accumulate two ``backward()`` calls per step (DDP
+Both sides start from rank-dependent initial values (each must take rank 0's), see
+each rank's slice of every global micro-batch, accumulate two ``backward()`` calls per step (DDP
 reduces on the second, under ``no_sync()`` for the first, as a DDP user writes it)
 and follow a ``StepLR`` schedule: the setting of :func:`zerompi.torch.parity.compare`,
 whose reference is one process on the global batch; this one is DDP itself.
@@ -39,7 +38,7 @@ from .parity import (
     param_groups,
 )
 
-#: Every stage zerompi has; a stage ``shard`` refuses is reported, not run.
+#: Every stage zerompi has.
 STAGES = (0, 1, 2, 3)
 LR, WEIGHT_DECAY, BUCKET_ELEMS = 3e-2, 0.05, 40  # as zerompi.torch.parity.compare
 
