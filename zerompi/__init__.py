@@ -12,6 +12,7 @@ estimator) work on a machine without MPI.
 from typing import Any
 
 from .adam import AdamConfig
+from .elastic import RankLost
 from .mpi.launch import install_abort_hook
 from .partition import (
     Deferred,
@@ -34,6 +35,7 @@ __all__ = [
     "AdamConfig",
     "Deferred",
     "Layout",
+    "RankLost",
     "ZeroOptimizer",
     "__version__",
     "gather_shards",

@@ -12,8 +12,10 @@ import numpy as np
 
 from .arrays import FlatArrays
 from .buffers import INITIALIZED, OVERLAP_SLOTS, BufferPool, Placed, placed_plan
+from .elastic import SLOTS, Snapshots, buddy_ranks, snapshot_plan
 from .gather import MPIGather, NodeGather, NoGather
 from .initial import initialize_by_bucket, initialize_whole
+from .mpi.ulfm import Exchange
 from .nodesum import NodeSum, StatsRuns
 from .plan import StagePlan, bucket_parts, runs, stage_plan
 from .precision import low_base
@@ -38,11 +40,16 @@ class Allocation:
     _gather_buffers: bool
     _order: list[str]
     _member: dict[str, int]
+    _elastic_args: dict[str, Any] | None
+    _snapshots: Any
 
     def _prepare_handover(self, stores: Mapping[str, Mapping[np.dtype, np.ndarray]]) -> None:
         raise NotImplementedError
 
     def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def _state_views(self) -> list[tuple[str, int, np.ndarray]]:
         raise NotImplementedError
 
     def _full_grads(self) -> dict[np.dtype, np.ndarray]:
@@ -113,6 +120,18 @@ class Allocation:
             self.gatherer = NodeGather(comm, nodes, layout, self.parts)
         else:
             self.gatherer = NoGather()
+        if self._elastic_args is not None:  # the in-memory snapshots of zerompi.elastic
+            self._snapshots = Snapshots(
+                self._elastic_args["snapshot_every"], comm, layout,
+                [shard for _, _, shard in self._state_views()], *self._buddies(),
+                {kind: stores[kind][np.dtype(np.uint8)] for kind in SLOTS}, Exchange(comm),
+            )  # fmt: skip
+
+    def _buddies(self) -> tuple[int, int]:
+        """``(buddy, source)`` of this rank's snapshots (:func:`zerompi.elastic.buddy_ranks`)."""
+        nodes = self.nodes
+        return buddy_ranks(self.comm.size, self.comm.rank,
+                           nodes.members if nodes.count > 1 else None)  # fmt: skip
 
     def _stage_plan(self, shared: bool) -> StagePlan:
         low = any(p.low_grads for p in self.precisions.values())
@@ -120,5 +139,9 @@ class Allocation:
 
     def _plan_buffers(self, shared: bool) -> list[Placed]:
         plan, nodes = self._stage_plan(shared), self.nodes
-        return placed_plan(self.layout, self.stage, self.overlap, self.precisions, plan,
-                           shared, nodes)  # fmt: skip
+        placed = placed_plan(self.layout, self.stage, self.overlap, self.precisions, plan,
+                             shared, nodes)  # fmt: skip
+        if self._elastic_args is not None:
+            snapshots = snapshot_plan(self.layout, self.comm.rank, self._buddies()[1])
+            placed += [(buf, None, True) for buf in snapshots]
+        return placed

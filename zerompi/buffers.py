@@ -28,13 +28,15 @@ if TYPE_CHECKING:
 #: Byte alignment of every buffer: a cache line, and enough for any SIMD kernel.
 ALIGNMENT = 64
 
-#: Categories of the reference's ``ZeROState.memory_usage``, plus kernel scratch.
+#: Categories of the reference's ``ZeROState.memory_usage``, plus kernel scratch and
+#: the in-memory snapshots of an elastic optimizer (:mod:`zerompi.elastic`).
 CATEGORIES = (
     "optimizer_states",
     "gradient_partitions",
     "parameter_partitions",
     "communication_buffers",
     "scratch",
+    "snapshots",
 )
 
 

@@ -46,6 +46,7 @@ from .mpi.watchdog import resolve_timeout
 from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_layout
 from .plan import choose_shared
 from .precision import precision_settings
+from .recovery import Elastic, check_elastic, elastic_setup
 from .settings import group_configs, settings_token
 from .state import PHASES, OptimizerState
 
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["PHASES", "ZeroOptimizer"]
 
 
-class ZeroOptimizer(HandOver, OptimizerState, Allocation):
+class ZeroOptimizer(Elastic, HandOver, OptimizerState, Allocation):
     """Sharded Adam/AdamW (stage 0 baseline, ZeRO stages 1-3) over an MPI communicator.
 
     Building one is collective: the layout (names, order, shapes, dtypes), stage and
@@ -90,6 +91,9 @@ class ZeroOptimizer(HandOver, OptimizerState, Allocation):
     gathers into its own memory with ``gather_into`` (the torch adapter).
     ``timeout`` (seconds; default ``$ZEROMPI_TIMEOUT``, else 600; ``0``/``"none"``:
     off) bounds every wait inside zerompi, then aborts (:mod:`zerompi.mpi.watchdog`).
+    ``elastic=True`` (Open MPI with ``mpiexec --with-ft ulfm``): survive a lost rank,
+    from in-memory snapshots taken every ``snapshot_every`` batches
+    (:mod:`zerompi.elastic`, :mod:`zerompi.recovery`); survivors get ``RankLost``.
     """
 
     def __init__(
@@ -116,7 +120,10 @@ class ZeroOptimizer(HandOver, OptimizerState, Allocation):
         rounding: str = "nearest",
         param_groups: Sequence[Mapping[str, Any]] | None = None,
         gather_buffers: bool = True,
+        elastic: bool = False,
+        snapshot_every: int = 10,
     ) -> None:
+        args = {k: v for k, v in locals().items() if k not in ("self", "params", "comm")}
         install_abort_hook()  # an uncaught exception on any rank aborts the whole job
         self.comm = Comm(comm, timeout=0)  # the watchdog is armed once settings agree
         error: BaseException | None = None
@@ -144,6 +151,7 @@ class ZeroOptimizer(HandOver, OptimizerState, Allocation):
                 if not isinstance(flag, bool) and (name == "overlap" or flag is not None):
                     raise TypeError(f"{name} must be a bool, got {flag!r:.60}")
             seconds = resolve_timeout(timeout)
+            shared_memory = check_elastic(elastic, snapshot_every, shared_memory)
             self.precisions, self.scaler, dtypes = precision_settings(
                 list(self.layout.sizes), param_dtype, reduce_dtype, loss_scale, nonfinite,
                 rounding,
@@ -165,9 +173,12 @@ class ZeroOptimizer(HandOver, OptimizerState, Allocation):
         comm_.check_same((overlap, shared_memory, bool(gather_buffers)),
                          "(overlap, shared_memory, gather_buffers)")  # fmt: skip
         comm_.check_same(seconds, "the watchdog timeout (timeout or ZEROMPI_TIMEOUT)")
+        comm_.check_same((elastic, snapshot_every), "(elastic, snapshot_every)")
         comm_.check_same(dtypes, "the precision settings (param_dtype, reduce_dtype, loss_scale)")
         comm_.timeout = seconds
-        comm_.enable_heartbeat()
+        self._elastic_args = elastic_setup(comm_, args) if elastic else None
+        if not elastic:  # a node heartbeat in shared memory: not with a rank to lose
+            comm_.enable_heartbeat()
         comm_.describe = self._describe
         self.stage, self.overlap, self._gather_buffers = stage, overlap, bool(gather_buffers)
         self.nodes = nodes_of(comm_)  # how the ranks sit on nodes (:mod:`zerompi.mpi.nodes`)
@@ -186,8 +197,12 @@ class ZeroOptimizer(HandOver, OptimizerState, Allocation):
         self._micro_batches = 0
         self._gathered: tuple[int, int] | None = None  # stage 3: (bucket, slot) in use
         self._stats = np.zeros(8)  # this rank's row of the step agreement
+        self.recoveries: list[dict[str, Any]] = []
         self._allocate(params)
         comm_.step = 1
+        if elastic:
+            self._install_guards()
+            self._snapshots.restart(self)  # the initial state
 
     def _describe(self, index: int) -> str:
         """Bucket ``index`` in words, for error messages and the watchdog."""
@@ -234,6 +249,7 @@ class ZeroOptimizer(HandOver, OptimizerState, Allocation):
         buffer zeroed."""
         self._live("step")
         self._gathers_done()  # stage 3: no gather may read the shards Adam will write
+        self._snapshots.settle()  # nor a snapshot's messages still read them
         if self._micro_batches == 0:
             self.accumulate()  # what was handed over is the one micro-batch
         else:
@@ -242,6 +258,7 @@ class ZeroOptimizer(HandOver, OptimizerState, Allocation):
         t0 = clock()
         stats = self._reduce()
         norm, nonfinite = self._agree(stats)
+        self._snapshots.commit()  # every rank's snapshot messages are complete
         self.timings["reduce_scatter"] += clock() - t0
         divisor = float(self.comm.size * self._micro_batches) * self.loss_scale
         scaler = self.scaler
@@ -293,6 +310,7 @@ class ZeroOptimizer(HandOver, OptimizerState, Allocation):
         self.skipped_steps += 1
         self._discard()
         self.comm.step = self.step_count + 1
+        self._snapshots.after_step(self)
         if self.nonfinite == "raise":
             what = (
                 f"has {nonfinite} non-finite element(s)" if nonfinite
@@ -336,6 +354,7 @@ class ZeroOptimizer(HandOver, OptimizerState, Allocation):
         self.reducer.consumed()
         self._micro_batches = 0
         self.comm.step = self.step_count + 1
+        self._snapshots.after_step(self)
 
     def close(self) -> None:
         """Collective: finish what is in flight and release the shared-memory

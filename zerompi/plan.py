@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 Store = Mapping[np.dtype, np.ndarray]
 
 
+#: The kinds of state a checkpoint (and an elastic snapshot) holds, in file order.
+STATE_KINDS = ("params", "exp_avg", "exp_avg_sq")
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """How one stage keeps and moves its data."""

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .adam import round_low
-from .plan import shard_of
+from .elastic import NoSnapshots
+from .plan import STATE_KINDS, shard_of
 from .settings import SETTINGS
 
 if TYPE_CHECKING:
@@ -23,8 +24,6 @@ if TYPE_CHECKING:
 
 PHASES = ("reduce_scatter", "adam", "allgather")
 
-#: The kinds of state a checkpoint holds, in file order.
-STATE_KINDS = ("params", "exp_avg", "exp_avg_sq")
 
 
 class OptimizerState:
@@ -47,6 +46,7 @@ class OptimizerState:
     precisions: dict[np.dtype, Any]
     scaler: Any
     gatherer: Any
+    _snapshots: Any = NoSnapshots()
 
     def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
         raise NotImplementedError
@@ -139,6 +139,10 @@ class OptimizerState:
         """``(section, first global element, this rank's shard)`` of every bucket of
         every kind of state, in one fixed order that every rank's collective I/O
         follows. The shards are writable views of the optimizer's own storage."""
+        self._snapshots.settle()  # a snapshot's messages read these shards
+        return self._state_views()
+
+    def _state_views(self) -> list[tuple[str, int, np.ndarray]]:
         layout, rank = self.layout, self.comm.rank
         out = []
         for kind in STATE_KINDS:
@@ -181,6 +185,7 @@ class OptimizerState:
         self.step_count = int(step)
         self.skipped_steps = int(skipped_steps)
         self.comm.step = self.step_count + 1
+        self._snapshots.restart(self)  # elastic: the new state is the one to keep
 
     @property
     def config(self) -> AdamConfig:

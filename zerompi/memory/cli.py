@@ -205,7 +205,8 @@ def _report(
         lines.append(f"  {name:<32}{count:>16,}{_mib(count):>14}")
     if per_rank is not None:
         short = dict(
-            zip(CATEGORIES, ("opt_states", "grads", "params", "comm_bufs", "scratch"), strict=True)
+            zip(CATEGORIES, ("opt_states", "grads", "params", "comm_bufs", "scratch", "snapshots"),
+                strict=True)
         )
         lines += ["", "per rank (bytes):"]
         lines.append(
