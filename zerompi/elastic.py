@@ -106,7 +106,9 @@ def snapshot_bytes(layout: Layout, rank: int) -> int:
     return offsets(pieces(layout, rank))[1]
 
 
-def buddy_ranks(size: int, rank: int, members: Sequence[Sequence[int]] | None = None) -> tuple[int, int]:
+def buddy_ranks(
+    size: int, rank: int, members: Sequence[Sequence[int]] | None = None
+) -> tuple[int, int]:
     """``(buddy, source)``: the rank that holds this rank's snapshot and the rank
     whose snapshot this rank holds. With ``members`` (the ranks of each node, every
     node the same size, more than one node) the buddy is the rank with the same
@@ -129,7 +131,9 @@ def snapshot_plan(layout: Layout, rank: int, source: int) -> list[PlannedBuffer]
             for kind, n in zip(SLOTS, (own, theirs, theirs), strict=True)]  # fmt: skip
 
 
-def typed_views(buf: np.ndarray, parts: Sequence[tuple[str, int, int, np.dtype]]) -> list[np.ndarray]:
+def typed_views(
+    buf: np.ndarray, parts: Sequence[tuple[str, int, int, np.dtype]]
+) -> list[np.ndarray]:
     """The counters and every piece of a snapshot buffer, as arrays of their dtypes."""
     at, _ = offsets(parts)
     views = [buf[: META * 8].view(np.float64)]

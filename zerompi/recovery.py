@@ -139,7 +139,7 @@ class Elastic:
         lost = sorted(set(range(old.size)) - {s[0] for s in statuses})
         meta = None
         if chosen is not None:
-            step, where = chosen
+            where = chosen[1]
             snaps.keep_live(where[old.rank][1])  # the old live state need not outlive this
             meta = snaps.source_views(old.rank, where[old.rank][1])[0].copy()
         snaps.live = []

@@ -19,26 +19,16 @@ An exception on one rank reaches zerompi's abort hook: ``zerompi: rank R of W
 failed: ...`` and its traceback (once, from rank 0, when every rank raised it), then
 the whole MPI job is aborted, so that ``mpiexec`` never hangs waiting for the others.
 
-Modules: :mod:`.cli` (options, :func:`main`), :mod:`.training` (the loop,
-checkpoints), :mod:`.verify` (the reference check), :mod:`.run` (one run, its
-summary and JSON). What the driver shares with :mod:`zerompi.bench` is in
-:mod:`zerompi.runtime`.
+Modules: :mod:`.cli` (options, :func:`main`), :mod:`.training` (the loop),
+:mod:`.checkpoints` (``--save``, ``--resume``, the ``--elastic`` fall back),
+:mod:`.verify` (the reference check), :mod:`.run` (one run, its summary and JSON).
+What the driver shares with :mod:`zerompi.bench` is in :mod:`zerompi.runtime`.
 """
 
+from .checkpoints import checkpoint_path, resume_path, save_checkpoint, saved_checkpoints
 from .cli import build_parser, main, parse_args
 from .run import finish, run, summary
-from .training import (
-    COMM_FACTOR,
-    COMM_OPS,
-    checkpoint_path,
-    micro_batch,
-    micro_batch_rows,
-    resume_path,
-    save_checkpoint,
-    saved_checkpoints,
-    train,
-    warm_up,
-)
+from .training import COMM_FACTOR, COMM_OPS, micro_batch, micro_batch_rows, train, warm_up
 from .verify import NORM_TOLERANCE, TOLERANCE, reference_params, verify
 
 __all__ = [

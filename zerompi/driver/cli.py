@@ -209,6 +209,23 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         help="load this checkpoint (or the newest PATH.<step> if PATH is a --save "
         "prefix) and continue from its step up to --steps; any world size and stage",
     )
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="survive a lost rank (Open MPI launched with `mpiexec --with-ft ulfm`): "
+        "in-memory snapshots every --snapshot-every steps, kept by a buddy rank; the "
+        "survivors shrink the world, go back to the snapshot and continue (the JSON's "
+        "recoveries lists each); with --save, a rank lost together with its buddy falls "
+        "back to the newest checkpoint",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        type=positive,
+        default=10,
+        metavar="K",
+        help="with --elastic: snapshot every K steps (what a lost rank costs: up to K "
+        "steps redone)",
+    )
     return p
 
 
@@ -225,6 +242,9 @@ def parse_args(argv: Sequence[str] | None, rank: int = 0) -> argparse.Namespace:
         )
     if args.save_every and not args.save:
         parser.error("--save-every needs --save PREFIX")
+    if args.elastic and args.shared_memory:
+        parser.error("--elastic cannot use --shared-memory (a lost rank's node shared "
+                     "memory cannot be recovered)")  # fmt: skip
     return args
 
 

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace, comm: Comm, rss_floor: int | None = None) -> i
         pss_floor = pss_bytes()
         wall = clock()
         opt, results = training.train(args, comm)
+        comm = opt.comm  # --elastic: after a lost rank, the survivors' communicator
         results["shared_memory"] = opt.shared_memory
         # What a node holds, counting node-shared pages once: the largest over nodes
         # of the sum over its ranks of their proportional set sizes, now and before.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,18 +20,21 @@ import numpy as np
 
 from .. import mlp
 from ..adam import KERNEL
+from ..elastic import RankLost
 from ..mpi.collectives import Comm
 from ..mpi.launch import library_version
 from ..optimizer import PHASES
 from ..partition import shard_range
 from ..precision import LossScale
 from ..runtime import clock, current_rss_bytes
+from .checkpoints import resume_path, save_checkpoint, survived
 
 if TYPE_CHECKING:
     from .. import ZeroOptimizer
 
-#: The collectives whose traffic ``comm_bytes`` reports (``Comm.pop_traffic`` ops).
-COMM_OPS = ("reduce_scatter", "allgather", "allreduce")
+#: The collectives whose traffic ``comm_bytes`` reports (``Comm.pop_traffic`` ops), and
+#: an elastic run's snapshots (a mean over steps: they are sent every K steps).
+COMM_OPS = ("reduce_scatter", "allgather", "allreduce", "snapshot")
 
 #: Per stage, how many times every parameter's bytes cross the network in one step
 #: without accumulation, times (W-1)/W: an allreduce (= reduce-scatter + allgather)
@@ -54,52 +56,6 @@ def comm_theory(args: argparse.Namespace, params: int, world: int, layers: bool 
     per = {0: r + (m if args.reduce_dtype else r), 1: r + p, 2: r + p,
            3: r + 2 * p if layers else r + p}  # fmt: skip
     return per[args.stage] * params * (world - 1) / world
-
-
-# -- checkpoints -------------------------------------------------------------------
-
-
-def checkpoint_path(prefix: str, step: int) -> str:
-    """The checkpoint of ``--save PREFIX`` after ``step`` batches: PREFIX.<8 digits>."""
-    return f"{prefix}.{step:08d}"
-
-
-def saved_checkpoints(prefix: str) -> list[str]:
-    """The checkpoints PREFIX.<8 digits> that exist, oldest first."""
-    folder = os.path.dirname(prefix) or "."
-    base = os.path.basename(prefix) + "."
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    steps = sorted(
-        n
-        for n in names
-        if n.startswith(base) and n[len(base) :].isdigit() and len(n) == len(base) + 8
-    )
-    return [os.path.join(folder, n) for n in steps]
-
-
-def save_checkpoint(opt: ZeroOptimizer, args: argparse.Namespace) -> str:
-    """Collective: checkpoint at the current step, then (rank 0) drop all but the
-    newest --keep checkpoints of the prefix. Only complete files are ever deleted."""
-    path = checkpoint_path(args.save, opt.step_count + opt.skipped_steps)  # batches seen
-    opt.save(path)
-    if opt.comm.rank == 0:
-        for old in saved_checkpoints(args.save)[: -args.keep]:
-            os.remove(old)
-    opt.comm.barrier()
-    return path
-
-
-def resume_path(path: str, comm: Comm) -> str:
-    """Rank 0's choice (every rank gets the same): the file itself, or the newest
-    checkpoint of a --save prefix."""
-    choice = path
-    if comm.rank == 0 and not os.path.isfile(path):
-        found = saved_checkpoints(path)
-        choice = found[-1] if found else path
-    return comm.allgather(choice)[0]
 
 
 # -- one micro-batch ---------------------------------------------------------------
@@ -198,6 +154,8 @@ def make_optimizer(args: argparse.Namespace, comm: Comm) -> ZeroOptimizer:
         param_dtype=args.param_dtype,
         reduce_dtype=args.reduce_dtype,
         loss_scale=loss_scale_arg(args.loss_scale),
+        elastic=args.elastic,
+        snapshot_every=args.snapshot_every,
     )
 
 
@@ -231,6 +189,56 @@ def resume(opt: ZeroOptimizer, args: argparse.Namespace) -> int:
     return first_step
 
 
+class Records:
+    """Per-step records of a run of ``n`` steps, allocated up front so that a long
+    run's memory stays flat; a step redone after a lost rank overwrites its row."""
+
+    def __init__(self, n: int) -> None:
+        self.losses, self.step_s, self.train_s = np.zeros(n), np.zeros(n), np.zeros(n)
+        self.norms = np.zeros(n)
+        self.scales = np.zeros(n)  # the loss scale each step used
+        self.phase_s = {phase: np.zeros(n) for phase in PHASES}
+        self.sent = {op: np.zeros(n, np.int64) for op in COMM_OPS}
+        self.between = {op: np.zeros(n, np.int64) for op in COMM_OPS}  # of it, across nodes
+        self.rss_trace: list[list[int]] = []  # [step, max current RSS over ranks] when logging
+
+
+def train_step(
+    opt: ZeroOptimizer, args: argparse.Namespace, names: Sequence[str], rows: Sequence[int],
+    step: int, i: int, rec: Records,
+) -> float:  # fmt: skip
+    """Collective: batch ``step``'s micro-batches (each split over the ranks with
+    ``shard_range``), ``accumulate()`` after each and ``step()``; its records into
+    row ``i`` of ``rec``. Returns the batch's mean loss."""
+    comm, dtype = opt.comm, np.dtype(args.dtype)
+    world, rank = comm.size, comm.rank
+    start = clock()
+    local_loss = 0.0
+    optimizer = 0.0
+    for micro, micro_rows in enumerate(rows):
+        x, y = mlp.make_batch(args.seed, step, micro, micro_rows, args.in_dim, args.classes, dtype)
+        lo, hi = shard_range(micro_rows, world, rank)
+        scale = world / micro_rows * opt.loss_scale
+        local_loss += micro_batch(opt, names, x[lo:hi], y[lo:hi], scale)
+        t0 = clock()
+        opt.accumulate()
+        optimizer += clock() - t0
+    rec.scales[i] = opt.loss_scale  # what this step's gradients were scaled by
+    t0 = clock()
+    opt.step()
+    end = clock()
+    rec.step_s[i] = optimizer + end - t0
+    rec.train_s[i] = end - start
+    rec.norms[i] = opt.last_grad_norm
+    for phase, seconds in opt.pop_timings().items():
+        rec.phase_s[phase][i] = seconds
+    traffic = comm.pop_traffic()
+    for op in COMM_OPS:
+        rec.sent[op][i] = traffic.get(op, {}).get("sent", 0)
+        rec.between[op][i] = traffic.get(op, {}).get("sent_between", 0)
+    return comm.sum(local_loss) / args.batch
+
+
 def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str, Any]]:
     """The sharded training run, steps ``first_step .. --steps - 1`` (``first_step``
     is the resumed checkpoint's step, else 0). Returns the optimizer and the (global)
@@ -254,71 +262,56 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
             + (f"steps {first_step + 1}-{args.steps} ({n})" if first_step else f"{n} steps"),
             flush=True,
         )
-    # Per-step records, allocated up front so that a long run's memory stays flat.
-    losses, step_s, train_s, norms = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-    scales = np.zeros(n)  # the loss scale each step used
-    phase_s = {phase: np.zeros(n) for phase in PHASES}
-    sent = {op: np.zeros(n, np.int64) for op in COMM_OPS}
-    between = {op: np.zeros(n, np.int64) for op in COMM_OPS}  # of it, across nodes
-    rss_trace: list[list[int]] = []  # [step, max current RSS over ranks] when logging
+    rec = Records(n)
+    losses, step_s, train_s = rec.losses, rec.step_s, rec.train_s
     comm.pop_traffic()  # count training traffic only
     comm.barrier()  # start the clocks together
-    for i, step in enumerate(range(first_step, args.steps)):
-        start = clock()
-        local_loss = 0.0
-        optimizer = 0.0
-        for micro, micro_rows in enumerate(rows):
-            x, y = mlp.make_batch(
-                args.seed, step, micro, micro_rows, args.in_dim, args.classes, dtype
-            )
-            lo, hi = shard_range(micro_rows, world, rank)
-            scale = world / micro_rows * opt.loss_scale
-            local_loss += micro_batch(opt, names, x[lo:hi], y[lo:hi], scale)
-            t0 = clock()
-            opt.accumulate()
-            optimizer += clock() - t0
-        scales[i] = opt.loss_scale  # what this step's gradients were scaled by
-        t0 = clock()
-        opt.step()
-        end = clock()
-        step_s[i] = optimizer + end - t0
-        train_s[i] = end - start
-        norms[i] = opt.last_grad_norm
-        for phase, seconds in opt.pop_timings().items():
-            phase_s[phase][i] = seconds
-        traffic = comm.pop_traffic()
-        for op in COMM_OPS:
-            sent[op][i] = traffic.get(op, {}).get("sent", 0)
-            between[op][i] = traffic.get(op, {}).get("sent_between", 0)
-        losses[i] = comm.sum(local_loss) / args.batch
-        logged = step % args.log_every == 0 or step == args.steps - 1
-        if logged:  # the same steps on every rank: this is a collective
-            rss_trace.append([step + 1, int(comm.max(current_rss_bytes()))])
-        if rank == 0 and logged:
-            print(
-                f"step {step + 1:>{len(str(args.steps))}}/{args.steps}  "
-                f"loss {losses[i]:.4f}  step {1e3 * step_s[i]:.2f} ms  "
-                f"train step {1e3 * train_s[i]:.2f} ms  grad norm {opt.last_grad_norm:.3g}"
-                + (f"  skipped {opt.skipped_steps}" if opt.skipped_steps else ""),
-                flush=True,
-            )
-        if args.save and (
-            step == args.steps - 1 or (args.save_every and (step + 1) % args.save_every == 0)
-        ):
-            saved = save_checkpoint(opt, args)
-            comm.pop_traffic()  # not training traffic
-            if rank == 0:
-                print(f"zerompi.driver: saved {saved}", flush=True)
+    step = first_step
+    while step < args.steps:
+        i = step - first_step  # a step redone after a lost rank overwrites its records
+        try:
+            with opt.survive():  # a lost rank seen anywhere in the step: RankLost
+                losses[i] = train_step(opt, args, names, rows, step, i, rec)
+                logged = step % args.log_every == 0 or step == args.steps - 1
+                if logged:  # the same steps on every rank: this is a collective
+                    rec.rss_trace.append([step + 1, int(opt.comm.max(current_rss_bytes()))])
+                if opt.comm.rank == 0 and logged:
+                    print(
+                        f"step {step + 1:>{len(str(args.steps))}}/{args.steps}  "
+                        f"loss {losses[i]:.4f}  step {1e3 * step_s[i]:.2f} ms  "
+                        f"train step {1e3 * train_s[i]:.2f} ms  grad norm "
+                        f"{opt.last_grad_norm:.3g}"
+                        + (f"  skipped {opt.skipped_steps}" if opt.skipped_steps else ""),
+                        flush=True,
+                    )
+                every = args.save_every
+                if args.save and (step == args.steps - 1 or (every and (step + 1) % every == 0)):
+                    saved = save_checkpoint(opt, args)
+                    opt.comm.pop_traffic()  # not training traffic
+                    if opt.comm.rank == 0:
+                        print(f"zerompi.driver: saved {saved}", flush=True)
+            step += 1
+        except RankLost as lost:
+            step = survived(opt, args, lost)
+    norms, scales, phase_s, sent, between = (
+        rec.norms, rec.scales, rec.phase_s, rec.sent, rec.between)  # fmt: skip
+    rss_trace = rec.rss_trace
+    comm = opt.comm
+    world, rank = comm.size, comm.rank
     memory = {k: int(comm.max(v)) for k, v in opt.memory_usage().items()}
     buffers: dict[str, int] = {}
     for rank_buffers in comm.allgather(opt.memory_buffers()):
         for name, nbytes in rank_buffers.items():
             buffers[name] = max(buffers.get(name, 0), nbytes)
-    step_sent = {op: _median(sent[op]) for op in COMM_OPS}
+    # Snapshots go every K steps: their mean per step, not the median.
+    step_sent = {op: float(np.mean(sent[op])) if op == "snapshot" else _median(sent[op])
+                 for op in COMM_OPS}  # fmt: skip
     step_between = {op: _median(between[op]) for op in COMM_OPS}
     itemsize = dtype.itemsize
     results: dict[str, Any] = {
         "world_size": world,
+        # --elastic: every lost rank survived (step gone back to, world sizes, seconds)
+        "recoveries": opt.recoveries,
         "stage": args.stage,
         "params": params,
         # The step reached (--steps); this process ran steps_run of them, from

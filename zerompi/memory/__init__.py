@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import mlp
 from ..buffers import CATEGORIES, buffer_plan, full_grads_plan, node_share
+from ..elastic import buddy_ranks, snapshot_plan
 from ..partition import (
     DEFAULT_BUCKET_ELEMS,
     SUPPORTED_DTYPES,
@@ -157,6 +158,7 @@ def estimate(
     reduce_dtype: object = None,
     shared_memory: bool | None = None,
     ranks_per_node: int | None = None,
+    elastic: bool = False,
 ) -> dict[str, Any]:
     """The memory of ``ZeroOptimizer`` on ``rank`` of ``world_size``, without MPI.
 
@@ -170,7 +172,9 @@ def estimate(
     of that many ranks on one node, as ``ZEROMPI_NODE_SIZE`` does and launchers
     usually do (``shared_memory`` then decides as the optimizer does, assuming
     ``/dev/shm`` has room: :func:`uses_shared`). A node-shared buffer counts this
-    rank's share (so the node's ranks add up to the node's bytes).
+    rank's share (so the node's ranks add up to the node's bytes). ``elastic``: the
+    in-memory snapshots of ``elastic=True`` (category ``snapshots``: this rank's shard
+    state once, its source's twice; no node shared memory).
 
     Returns a dict:
 
@@ -194,11 +198,15 @@ def estimate(
         resolve_dtype(reduce_dtype, "reduce_dtype"),
     )  # fmt: skip
     per_node = ranks_per_node or world_size
-    shared = uses_shared(shared_memory, stage, world_size, per_node)
+    shared = uses_shared(False if elastic else shared_memory, stage, world_size, per_node)
     count, local, peers = node_of(world_size, rank, per_node)
     plan = buffer_plan(layout, stage, overlap, precs, shared, peers if count > 1 else None)
     if full_grads and stage == 2:
         plan += full_grads_plan(layout, precs, shared)
+    if elastic:  # the snapshots (zerompi.elastic): this rank's and its source's (x2)
+        members = [range(n * per_node, (n + 1) * per_node) for n in range(count)]
+        source = buddy_ranks(world_size, rank, members if count > 1 else None)[1]
+        plan += snapshot_plan(layout, rank, source)
     node_kinds = stage_plan(stage, shared, count == 1).node_kinds
     usage = dict.fromkeys(CATEGORIES, 0)
     buffers: dict[str, int] = {}

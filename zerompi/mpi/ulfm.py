@@ -60,8 +60,12 @@ def prepare(comm: Comm) -> None:
 
 
 def is_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is MPI reporting a failed peer or a revoked communicator."""
-    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAILURE_CLASSES
+    """Whether ``exc`` is MPI reporting a failed peer or a revoked communicator; or
+    ``MPI_ERR_IN_STATUS``, what a wait on several requests (zerompi's buckets in
+    flight) reports for them, a failed peer under ULFM."""
+    if not isinstance(exc, MPI.Exception):
+        return False
+    return exc.Get_error_class() in FAILURE_CLASSES or exc.Get_error_class() == MPI.ERR_IN_STATUS
 
 
 def revoke(comms: Sequence[Comm | None]) -> None:
@@ -131,7 +135,12 @@ class Exchange:
         """Complete every message (under the watchdog)."""
         if self.requests:
             requests = self.requests
-            self.comm._blocking("snapshot", -1, lambda: MPI.Request.Waitall(requests))
+
+            def wait() -> None:  # one by one: Waitall would hide the error class
+                for request in requests:
+                    request.Wait()
+
+            self.comm._blocking("snapshot", -1, wait)
             self.requests = self.received = []
 
 

@@ -1,0 +1,253 @@
+"""Surviving a lost rank (``elastic=True``, :mod:`zerompi.elastic`, :mod:`zerompi.recovery`).
+
+The pure parts (the snapshot layout, the re-shard moves, the choice of the step to go
+back to, the buddies, the memory estimate) run everywhere. The real thing needs
+Open MPI with ULFM (scripts/test_openmpi): a W = 4 driver run under
+``mpiexec --with-ft ulfm`` whose rank is SIGKILLed by PID from outside, at a moment
+tests/elastic_script.py pauses at (mid-step, mid-snapshot, mid-save), must finish on
+the survivors, pass ``--verify`` and report the recovery; those run in the serial
+pytest run only (an mpiexec inside an mpiexec'd test is not portable), and skip
+under MPICH, whose optimizer refuses ``elastic=True`` (tested here too).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import assert_all
+from mpi4py import MPI
+from test_harness import mpiexec
+
+from zerompi import RankLost, ZeroOptimizer
+from zerompi.elastic import buddy_ranks, choose, moves, pieces, snapshot_bytes, snapshot_plan
+from zerompi.memory import estimate
+from zerompi.mpi.agreement import CollectiveError
+from zerompi.partition import default_group, optimizer_layout
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "elastic_script.py"
+SPECS = [("l0.w", (7, 5), np.dtype(np.float32)), ("l0.b", (5,), np.dtype(np.float32)),
+         ("l1.w", (5, 3), np.dtype(np.float64)), ("l1.b", (3,), np.dtype(np.float64))]  # fmt: skip
+
+
+def layout(world: int, rank: int = 0, bucket_elems: int = 16, stage: int = 1, specs=SPECS):
+    return optimizer_layout(specs, world, rank, stage, bucket_elems, default_group)
+
+
+# -- the pure parts ------------------------------------------------------------------
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize(
+    "old_size, new_size", list(itertools.product([1, 2, 3, 4, 5, 9], [1, 2, 3, 4]))
+)
+def test_the_reshard_moves_every_element_once(old_size: int, new_size: int) -> None:
+    """Every element of every section reaches its new owner from its old one, once,
+    including worlds where trailing ranks own nothing (9 ranks, 16-element buckets)."""
+    old, new = layout(old_size), layout(new_size)
+    state = {}  # section -> global values
+    for section, *_ in pieces(old, 0):
+        state.setdefault(section, None)
+    for section in state:
+        kind, _, dtype = section.partition(".")
+        size = old.sizes[np.dtype(dtype)]
+        state[section] = np.arange(size, dtype=np.float64) + 1000 * len(kind)
+    targets = {n: [np.full(c, np.nan) for _, _, c, _ in pieces(new, n)] for n in range(new_size)}
+    seen = 0
+    for m in moves(old, old_size, new, new_size):
+        section, first, count, _ = pieces(old, m.old)[m.old_piece]
+        src = state[section][first + m.old_at : first + m.old_at + m.count]
+        out = targets[m.new][m.new_piece][m.new_at : m.new_at + m.count]
+        assert np.isnan(out).all()  # written once
+        out[...] = src
+        seen += m.count
+    assert seen == 3 * sum(old.sizes.values())
+    for n in range(new_size):
+        for (section, first, count, _), got in zip(pieces(new, n), targets[n], strict=True):
+            np.testing.assert_array_equal(got, state[section][first : first + count])
+
+
+@pytest.mark.mpi_skip
+def test_an_empty_shard_has_a_snapshot_of_counters_only() -> None:
+    # 40 + 3 elements over 9 ranks: rank 8 owns nothing of either bucket
+    lay = layout(9, specs=[*SPECS[:2], ("c", (3,), np.dtype(np.float32))])
+    empty = [r for r in range(9) if not any(c for _, _, c, _ in pieces(lay, r))]
+    assert empty, "the layout was meant to leave some ranks empty"
+    assert all(snapshot_bytes(lay, r) == 64 for r in empty)
+    assert 8 in empty and 0 not in empty
+    own = snapshot_plan(lay, 0, 8)
+    assert [b.kind for b in own] == ["snapshot_own", "snapshot_held", "snapshot_next"]
+    assert [b.count for b in own] == [snapshot_bytes(lay, 0), 64, 64]
+
+
+@pytest.mark.mpi_skip
+def test_buddies_are_on_the_next_node() -> None:
+    assert buddy_ranks(4, 1) == (2, 0)
+    assert buddy_ranks(1, 0) == (0, 0)
+    nodes = [(0, 1), (2, 3), (4, 5)]
+    assert buddy_ranks(6, 1, nodes) == (3, 5)  # same local index, next node
+    assert buddy_ranks(6, 4, nodes) == (0, 2)
+    holders = [buddy_ranks(6, r, nodes)[0] for r in range(6)]
+    sources = [buddy_ranks(6, r, nodes)[1] for r in range(6)]
+    assert all(sources[holders[r]] == r for r in range(6))  # a permutation, inverted
+
+
+def holder(rank: int) -> int:
+    return buddy_ranks(4, rank)[0]
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize(
+    "statuses, expected",
+    [
+        # committed 10 everywhere, nothing pending: back to 10; rank 1's copy is held by 2
+        ([(0, 10, -1, True), (2, 10, -1, True), (3, 10, -1, True)],
+         (10, {0: (0, "own"), 1: (1, "held"), 2: (1, "own"), 3: (2, "own")})),
+        # snapshot 15 sent, not committed, the dead rank's copy arrived: 15 from live
+        ([(0, 10, 15, True), (2, 10, 15, True), (3, 10, 15, True)],
+         (15, {0: (0, "live"), 1: (1, "next"), 2: (1, "live"), 3: (2, "live")})),
+        # ... its copy did not arrive: the last committed one
+        ([(0, 10, 15, True), (2, 10, 15, False), (3, 10, 15, True)],
+         (10, {0: (0, "own"), 1: (1, "held"), 2: (1, "own"), 3: (2, "own")})),
+        # one survivor committed 15 (its agreement passed: every copy arrived), others not
+        ([(0, 15, -1, True), (2, 10, 15, True), (3, 10, 15, True)],
+         (15, {0: (0, "own"), 1: (1, "next"), 2: (1, "live"), 3: (2, "live")})),
+        # a rank and its holder both lost: no step
+        ([(0, 10, -1, True), (3, 10, -1, True)], None),
+        # a survivor whose live state moved past every snapshot it has: older one
+        ([(0, 10, -1, True), (2, 10, 15, True), (3, 10, 15, True)],
+         (10, {0: (0, "own"), 1: (1, "held"), 2: (1, "own"), 3: (2, "own")})),
+    ],
+)  # fmt: skip
+def test_the_survivors_choose_the_newest_complete_step(statuses, expected) -> None:
+    assert choose(statuses, 4, holder) == expected
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_estimate_counts_three_snapshot_buffers(stage: int) -> None:
+    for world, rank in ((4, 1), (9, 8), (4, 3)):
+        plain = estimate(SPECS, world, rank, stage, 16, shared_memory=False)  # as elastic
+        elastic = estimate(SPECS, world, rank, stage, 16, elastic=True)
+        lay = layout(world, rank, 16, stage)
+        source = buddy_ranks(world, rank)[1]
+        extra = snapshot_bytes(lay, rank) + 2 * snapshot_bytes(lay, source)
+        assert elastic["usage"]["snapshots"] == extra
+        assert elastic["total_bytes"] - plain["total_bytes"] == extra
+
+
+def test_elastic_is_refused_without_ulfm(comm: MPI.Intracomm) -> None:
+    """Where the MPI library or the launcher lacks ULFM (MPICH; Open MPI without
+    --with-ft ulfm), every rank gets the same clear error naming the fix."""
+    if os.environ.get("OMPI_MCA_mpi_ft_enable"):
+        pytest.skip("this job has fault tolerance on")
+    params = {"w": np.ones(5)}
+    try:
+        ZeroOptimizer(params, comm=comm, elastic=True)
+        message = None
+    except CollectiveError as exc:  # agreed: the same on every rank
+        message = str(exc)
+    assert_all(message is not None and "--with-ft ulfm" in message, repr(message))
+    try:
+        ZeroOptimizer(params, comm=comm, snapshot_every=0)
+        message = None
+    except CollectiveError as exc:
+        message = str(exc)
+    assert_all(message is not None and "snapshot_every" in message and "0" in message)
+    assert issubclass(RankLost, RuntimeError)
+
+
+# -- under Open MPI with ULFM ---------------------------------------------------------
+
+
+#: This Python's MPI is Open MPI, whose mpiexec has --with-ft ulfm.
+ULFM = "Open MPI" in MPI.Get_library_version()
+ulfm_only = pytest.mark.skipif(not ULFM, reason="needs Open MPI's ULFM (scripts/test_openmpi)")
+DRIVER = ["--steps", "40", "--batch", "64", "--hidden", "32", "--in-dim", "16",
+          "--log-every", "10", "--verify", "--elastic", "--snapshot-every", "5"]  # fmt: skip
+
+
+class Job:
+    """A ``mpiexec --with-ft ulfm`` run of tests/elastic_script.py in its own session."""
+
+    def __init__(self, tmp: Path, ranks: int, args: list[str], pauses: str = "") -> None:
+        self.control = tmp / "control"
+        self.control.mkdir()
+        self.json = tmp / "out.json"
+        env = dict(os.environ, ZEROMPI_TEST_CONTROL=str(self.control),
+                   ZEROMPI_TEST_PAUSE=pauses, ZEROMPI_TIMEOUT="60")  # fmt: skip
+        env.pop("ZEROMPI_NO_ABORT_HOOK", None)
+        cmd = [mpiexec(), "--with-ft", "ulfm", "--oversubscribe", "-n", str(ranks),
+               sys.executable, str(SCRIPT), *args, "--json", str(self.json)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, cwd=HERE.parent, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)  # fmt: skip
+        self.started = time.monotonic()
+
+    def wait_marker(self, moment: str, ranks: int, timeout: float = 60) -> dict[int, int]:
+        """The PIDs of the ranks paused at ``moment`` (rank -> PID), once all are."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = {int(p.name.rpartition(".")[2]): int(p.read_text() or 0)
+                     for p in self.control.glob(f"{moment}.*")}  # fmt: skip
+            if len(found) >= ranks and all(found.values()):
+                return found
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.kill()
+        raise AssertionError(f"no {ranks} rank(s) reached {moment}:\n{self.output()}")
+
+    def finish(self, timeout: float = 120) -> tuple[int, str, dict]:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        results = json.loads(self.json.read_text()) if self.json.exists() else {}
+        return self.proc.returncode, out, results
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def output(self) -> str:
+        self.kill()
+        return self.proc.communicate()[0]
+
+
+def finished(job: Job, world: int, recoveries: int) -> dict:
+    status, out, results = job.finish()
+    assert results, f"no JSON (exit {status}):\n{out[-4000:]}"
+    assert results["world_size"] == world, out[-4000:]
+    assert len(results["recoveries"]) == recoveries, results["recoveries"]
+    assert results["verify_ok"], out[-4000:]
+    assert "zerompi.driver: lost rank" in out
+    return results
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_rank_killed_mid_step_is_survived(tmp_path: Path, stage: int) -> None:
+    job = Job(tmp_path, 4, [*DRIVER, "--stage", str(stage)], pauses="step:13")
+    pids = job.wait_marker("step:13", 4)
+    os.kill(pids[2], signal.SIGKILL)
+    results = finished(job, 3, 1)
+    (rec,) = results["recoveries"]
+    assert rec["step"] == 10 and rec["lost"] == [2]
+    assert (rec["world_size_before"], rec["world_size_after"]) == (4, 3)
+    assert 0 < rec["seconds"] < 10
+    assert results["memory_bytes"]["snapshots"] > 0
+

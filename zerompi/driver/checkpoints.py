@@ -1,0 +1,82 @@
+"""The driver's checkpoints: ``--save PREFIX`` files, ``--resume``, and the fall back
+to the newest of them when ``--elastic`` loses a rank together with its snapshot."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from ..elastic import RankLost
+from ..mpi.collectives import Comm
+
+if TYPE_CHECKING:
+    from .. import ZeroOptimizer
+
+
+def checkpoint_path(prefix: str, step: int) -> str:
+    """The checkpoint of ``--save PREFIX`` after ``step`` batches: PREFIX.<8 digits>."""
+    return f"{prefix}.{step:08d}"
+
+
+def saved_checkpoints(prefix: str) -> list[str]:
+    """The checkpoints PREFIX.<8 digits> that exist, oldest first."""
+    folder = os.path.dirname(prefix) or "."
+    base = os.path.basename(prefix) + "."
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    steps = sorted(
+        n
+        for n in names
+        if n.startswith(base) and n[len(base) :].isdigit() and len(n) == len(base) + 8
+    )
+    return [os.path.join(folder, n) for n in steps]
+
+
+def save_checkpoint(opt: ZeroOptimizer, args: argparse.Namespace) -> str:
+    """Collective: checkpoint at the current step, then (rank 0) drop all but the
+    newest --keep checkpoints of the prefix. Only complete files are ever deleted."""
+    path = checkpoint_path(args.save, opt.step_count + opt.skipped_steps)  # batches seen
+    opt.save(path)
+    if opt.comm.rank == 0:
+        for old in saved_checkpoints(args.save)[: -args.keep]:
+            os.remove(old)
+    opt.comm.barrier()
+    return path
+
+
+def resume_path(path: str, comm: Comm) -> str:
+    """Rank 0's choice (every rank gets the same): the file itself, or the newest
+    checkpoint of a --save prefix."""
+    choice = path
+    if comm.rank == 0 and not os.path.isfile(path):
+        found = saved_checkpoints(path)
+        choice = found[-1] if found else path
+    return comm.allgather(choice)[0]
+
+
+def survived(opt: ZeroOptimizer, args: argparse.Namespace, lost: RankLost) -> int:
+    """After a lost rank (``--elastic``): the batch to go back to, the snapshot's, or,
+    when the snapshot was lost with it, the newest ``--save`` checkpoint's (loaded at
+    the new world size). Raises when there is neither."""
+    comm = opt.comm
+    comm.pop_traffic()  # the recovery's messages are not a step's
+    if comm.rank == 0:
+        print(f"zerompi.driver: {lost}", flush=True)
+    if lost.step is not None:
+        return lost.step
+    found = resume_path(args.save, comm) if args.save else None
+    if not found or not os.path.isfile(found):
+        raise RuntimeError(
+            f"zerompi.driver: {lost}; there is no checkpoint to fall back to (--save)"
+        ) from lost
+    opt.load(found)
+    opt.recoveries[-1]["checkpoint"] = found
+    step = opt.step_count + opt.skipped_steps
+    opt.recoveries[-1]["step"] = step
+    if comm.rank == 0:
+        print(f"zerompi.driver: fell back to {found} at step {step}, world size "
+              f"{comm.size}", flush=True)  # fmt: skip
+    return step
