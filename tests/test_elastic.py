@@ -27,7 +27,7 @@ from helpers import assert_all
 from mpi4py import MPI
 from test_harness import mpiexec
 
-from zerompi import RankLost, ZeroOptimizer
+from zerompi import RankLost, ZeroOptimizer, checkpoint
 from zerompi.elastic import buddy_ranks, choose, moves, pieces, snapshot_bytes, snapshot_plan
 from zerompi.memory import estimate
 from zerompi.mpi.agreement import CollectiveError
@@ -251,3 +251,113 @@ def test_a_rank_killed_mid_step_is_survived(tmp_path: Path, stage: int) -> None:
     assert 0 < rec["seconds"] < 10
     assert results["memory_bytes"]["snapshots"] > 0
 
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
+def test_a_rank_killed_mid_snapshot_is_survived(tmp_path: Path) -> None:
+    """Killed after the snapshot of batch 10 was sent, before it was committed: the
+    survivors go back to batch 10 if the lost rank's copy arrived (its buddy says so),
+    else to 5; never to a mix."""
+    job = Job(tmp_path, 4, [*DRIVER, "--stage", "2"], pauses="snapshot:10")
+    pids = job.wait_marker("snapshot:10", 4)
+    os.kill(pids[1], signal.SIGKILL)
+    results = finished(job, 3, 1)
+    assert results["recoveries"][0]["step"] in (5, 10)
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
+def test_two_ranks_lost_one_after_the_other(tmp_path: Path) -> None:
+    """4 -> 3 -> 2, the second time rank 0 (which prints and writes the JSON): the loss
+    curve after each recovery is the uninterrupted one's (--verify checks every step's
+    gradient norm and the final parameters against one process)."""
+    job = Job(tmp_path, 4, [*DRIVER, "--stage", "1"], pauses="step:13,step:27")
+    os.kill(job.wait_marker("step:13", 4)[3], signal.SIGKILL)
+    os.kill(job.wait_marker("step:27", 3)[0], signal.SIGKILL)
+    results = finished(job, 2, 2)
+    first, second = results["recoveries"]
+    assert (first["step"], first["world_size_before"], first["world_size_after"]) == (10, 4, 3)
+    assert (second["step"], second["world_size_before"], second["world_size_after"]) == (25, 3, 2)
+    assert first["lost"] == [3] and second["lost"] == [0]  # ranks of the world of the time
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
+def test_a_rank_lost_with_its_buddy_falls_back_to_the_checkpoint(tmp_path: Path) -> None:
+    """Ranks 1 and 2 die together: rank 1's snapshot was on rank 2. The survivors say
+    so and load the newest --save checkpoint at world size 2."""
+    prefix = tmp_path / "ck"
+    args = [*DRIVER, "--stage", "2", "--save", str(prefix), "--save-every", "8"]
+    job = Job(tmp_path, 4, args, pauses="step:13")
+    pids = job.wait_marker("step:13", 4)
+    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[2], signal.SIGKILL)
+    _, out, results = job.finish()
+    assert results, out[-4000:]
+    (rec,) = results["recoveries"]
+    assert rec["checkpoint"].endswith("ck.00000008") and rec["step"] == 8, rec
+    assert results["world_size"] == 2 and results["verify_ok"], out[-4000:]
+    assert "no in-memory snapshot holds their state" in out and "fell back to" in out
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
+def test_a_rank_lost_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """Killed while the checkpoint of batch 20 is being written: the one of batch 10
+    is intact, no temporary is left behind, and after the recovery batch 20's
+    checkpoint is written by the survivors."""
+    prefix = tmp_path / "ck"
+    args = [*DRIVER, "--stage", "3", "--save", str(prefix), "--save-every", "10"]
+    job = Job(tmp_path, 4, args, pauses="save:20")
+    pids = job.wait_marker("save:20", 4)
+    os.kill(pids[2], signal.SIGKILL)
+    results = finished(job, 3, 1)
+    assert results["recoveries"][0]["step"] in (15, 20)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck"))
+    assert names == ["ck.00000020", "ck.00000030", "ck.00000040"], names  # --keep 3
+    for name in names:
+        checkpoint.verify(tmp_path / name)
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
+def test_recovery_equals_a_resume_at_the_smaller_world(tmp_path: Path) -> None:
+    """A run that loses a rank after batch 12 (snapshot 10) ends where a run that saved
+    at batch 10 and resumed at world size 3 ends, bit for bit: parameters and Adam
+    moments (the snapshot and the re-shard copy bits; both then run the same W = 3
+    steps, without node shared memory)."""
+    common = ["--steps", "30", "--batch", "64", "--hidden", "32", "--in-dim", "16",
+              "--stage", "2", "--log-every", "10"]  # fmt: skip
+    (tmp_path / "a").mkdir()
+    elastic = ["--elastic", "--snapshot-every", "5", "--save", str(tmp_path / "elastic")]
+    job = Job(tmp_path / "a", 4, [*common, *elastic], pauses="step:13")
+    os.kill(job.wait_marker("step:13", 4)[2], signal.SIGKILL)
+    _, out, results = job.finish()
+    assert [r["step"] for r in results.get("recoveries", ())] == [10], out[-4000:]
+    base = [mpiexec(), "--oversubscribe", "-n"]
+    driver = [sys.executable, "-m", "zerompi.driver", *common, "--no-shared-memory"]  # as elastic
+    plain = str(tmp_path / "plain")
+    for ranks, extra in ((4, ["--steps", "10", "--save", plain]),
+                         (3, ["--resume", plain, "--save", plain])):  # fmt: skip
+        proc = subprocess.run([*base, str(ranks), *driver, *extra], cwd=HERE.parent,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = checkpoint.read(tmp_path / "elastic.00000030")
+    want = checkpoint.read(tmp_path / "plain.00000030")
+    assert got["optimizer"]["step"] == want["optimizer"]["step"] == 30
+    for kind in ("params", "exp_avg", "exp_avg_sq"):
+        for name, array in want[kind].items():
+            np.testing.assert_array_equal(got[kind][name], array, err_msg=f"{kind} {name}")
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
+def test_elastic_without_the_launchers_fault_tolerance_is_refused(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [mpiexec(), "--oversubscribe", "-n", "2", sys.executable, "-m", "zerompi.driver",
+         "--elastic", "--steps", "2"],
+        cwd=HERE.parent, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "mpiexec --with-ft ulfm" in proc.stdout + proc.stderr

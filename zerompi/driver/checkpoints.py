@@ -66,6 +66,7 @@ def survived(opt: ZeroOptimizer, args: argparse.Namespace, lost: RankLost) -> in
     if comm.rank == 0:
         print(f"zerompi.driver: {lost}", flush=True)
     if lost.step is not None:
+        resave(opt, args, lost.step)
         return lost.step
     found = resume_path(args.save, comm) if args.save else None
     if not found or not os.path.isfile(found):
@@ -80,3 +81,19 @@ def survived(opt: ZeroOptimizer, args: argparse.Namespace, lost: RankLost) -> in
         print(f"zerompi.driver: fell back to {found} at step {step}, world size "
               f"{comm.size}", flush=True)  # fmt: skip
     return step
+
+
+def resave(opt: ZeroOptimizer, args: argparse.Namespace, step: int) -> None:
+    """Collective: after going back to ``step``, write its checkpoint if it is one the
+    run was to write and it is missing (a rank lost while it was being saved: the
+    loop goes on after it)."""
+    every = args.save_every
+    if not (args.save and every and step and step % every == 0):
+        return
+    exists = os.path.isfile(checkpoint_path(args.save, step)) if opt.comm.rank == 0 else None
+    if not opt.comm.allgather(exists)[0]:
+        with opt.survive():
+            path = save_checkpoint(opt, args)
+        opt.comm.pop_traffic()
+        if opt.comm.rank == 0:
+            print(f"zerompi.driver: saved {path}", flush=True)
