@@ -27,9 +27,9 @@ from helpers import assert_all
 from mpi4py import MPI
 from test_harness import mpiexec
 
-from zerompi import RankLost, ZeroOptimizer, checkpoint
+from zerompi import RankLost, ZeroOptimizer, checkpoint, mlp
 from zerompi.elastic import buddy_ranks, choose, moves, pieces, snapshot_bytes, snapshot_plan
-from zerompi.memory import estimate
+from zerompi.memory import estimate, estimate_max
 from zerompi.mpi.agreement import CollectiveError
 from zerompi.partition import default_group, optimizer_layout
 
@@ -249,7 +249,11 @@ def test_a_rank_killed_mid_step_is_survived(tmp_path: Path, stage: int) -> None:
     assert rec["step"] == 10 and rec["lost"] == [2]
     assert (rec["world_size_before"], rec["world_size_after"]) == (4, 3)
     assert 0 < rec["seconds"] < 10
-    assert results["memory_bytes"]["snapshots"] > 0
+    # memory_usage() (max over the survivors) is what the estimator says for W = 3
+    sizes = mlp.layer_sizes(16, 32, 2, 10)
+    specs = [(n, d.shape, d.dtype) for n, d in mlp.deferred_params(sizes, 0, np.float32).items()]
+    want = estimate_max(specs, 3, stage, elastic=True)["usage"]
+    assert results["memory_bytes"] == want and want["snapshots"] > 0
 
 
 

@@ -58,6 +58,7 @@ CATEGORIES = (
     "parameter_partitions",
     "communication_buffers",
     "scratch",
+    "snapshots",  # elastic=True only (tests/test_elastic.py)
 )
 COMMS = ["world", "self", "split", "reversed"]  # the ``comm`` fixture's communicators
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import mlp
 from ..buffers import CATEGORIES, buffer_plan, full_grads_plan, node_share
-from ..elastic import buddy_ranks, snapshot_plan
+from ..elastic import buddy_ranks, snapshot_bytes, snapshot_plan
 from ..partition import (
     DEFAULT_BUCKET_ELEMS,
     SUPPORTED_DTYPES,
@@ -159,6 +159,7 @@ def estimate(
     shared_memory: bool | None = None,
     ranks_per_node: int | None = None,
     elastic: bool = False,
+    snapshot_every: int = 10,
 ) -> dict[str, Any]:
     """The memory of ``ZeroOptimizer`` on ``rank`` of ``world_size``, without MPI.
 
@@ -174,7 +175,9 @@ def estimate(
     ``/dev/shm`` has room: :func:`uses_shared`). A node-shared buffer counts this
     rank's share (so the node's ranks add up to the node's bytes). ``elastic``: the
     in-memory snapshots of ``elastic=True`` (category ``snapshots``: this rank's shard
-    state once, its source's twice; no node shared memory).
+    state once, its source's twice; no node shared memory) and their traffic: the
+    ``snapshot`` entry of ``traffic``, a snapshot's bytes per ``snapshot_every`` steps
+    (what the driver's ``comm_bytes`` reports: its mean per step).
 
     Returns a dict:
 
@@ -203,10 +206,18 @@ def estimate(
     plan = buffer_plan(layout, stage, overlap, precs, shared, peers if count > 1 else None)
     if full_grads and stage == 2:
         plan += full_grads_plan(layout, precs, shared)
+    traffic = step_traffic(layout, stage, precs, shared, per_node)
     if elastic:  # the snapshots (zerompi.elastic): this rank's and its source's (x2)
         members = [range(n * per_node, (n + 1) * per_node) for n in range(count)]
-        source = buddy_ranks(world_size, rank, members if count > 1 else None)[1]
+        buddy, source = buddy_ranks(world_size, rank, members if count > 1 else None)
         plan += snapshot_plan(layout, rank, source)
+        sent, received = snapshot_bytes(layout, rank), snapshot_bytes(layout, source)
+        far = (buddy // per_node != rank // per_node, source // per_node != rank // per_node)
+        traffic["snapshot"] = {
+            "sent": round(sent / snapshot_every), "received": round(received / snapshot_every),
+            "sent_between": round(sent / snapshot_every) * far[0],
+            "received_between": round(received / snapshot_every) * far[1],
+        }  # fmt: skip
     node_kinds = stage_plan(stage, shared, count == 1).node_kinds
     usage = dict.fromkeys(CATEGORIES, 0)
     buffers: dict[str, int] = {}
@@ -229,7 +240,7 @@ def estimate(
         "shared_memory": shared,
         "ranks_per_node": per_node,
         "nodes": count,
-        "traffic": step_traffic(layout, stage, precs, shared, per_node),
+        "traffic": traffic,
         "buckets": len(layout.buckets),
         "max_bucket_elems": max(b.size for b in layout.buckets),
         "usage": usage,
@@ -300,8 +311,24 @@ def estimate_max(
     either the same on all ranks or non-decreasing in the rank's shard sizes. So
     rank 0 holds the most in every category and every buffer at once (this is what
     the driver's per-category ``max`` over ranks reports).
+
+    With ``elastic``, a rank also holds its *source's* snapshot twice (the rank before
+    it, or the rank with its local index on the node before): the most is then held by
+    rank 1 or by rank L (``ranks_per_node``), whose source is rank 0; every figure is
+    the maximum over ranks 0, 1 and L.
     """
-    return estimate(specs, world_size, 0, stage, bucket_elems, group_of, **options)
+    first = estimate(specs, world_size, 0, stage, bucket_elems, group_of, **options)
+    if not options.get("elastic"):
+        return first
+    per_node = options.get("ranks_per_node") or world_size
+    for rank in sorted({1, per_node} - {0}):
+        if rank < world_size:
+            other = estimate(specs, world_size, rank, stage, bucket_elems, group_of, **options)
+            for key in ("usage", "buffers"):
+                for name, value in other[key].items():
+                    first[key][name] = max(first[key].get(name, 0), value)
+    first["total_bytes"] = sum(first["usage"].values())
+    return first
 
 
 def flat_specs(params: int, layer_elems: int, dtype: Any = np.float32) -> list[Spec]:

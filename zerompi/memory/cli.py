@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the optimizer's reduce_dtype: the gradients handed over and the reduction's wire",
     )  # fmt: skip
     add_shared_memory_options(p)  # (assuming /dev/shm has room)
+    p.add_argument("--elastic", action="store_true",
+                   help="the optimizer's elastic=True: its in-memory snapshots (this rank's "
+                   "shard state once, its buddy's twice), and no node shared memory")
+    p.add_argument("--snapshot-every", type=_positive, default=10, metavar="K",
+                   help="with --elastic: a snapshot every K steps (its traffic per step)")
     p.add_argument("--per-rank", action="store_true", help="also give the figures of every rank")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
@@ -275,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reduce_dtype": args.reduce_dtype,
         "shared_memory": args.shared_memory,
         "ranks_per_node": per_node,
+        "elastic": args.elastic,
+        "snapshot_every": args.snapshot_every,
     }
     result = estimate_max(specs, world, args.stage, **options)
     node = estimate_node(specs, world, 0, args.stage, **options)
