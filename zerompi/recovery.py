@@ -65,9 +65,19 @@ def check_elastic(elastic: object, every: object, shared_memory: bool | None) ->
 def elastic_setup(comm: Any, args: dict[str, Any]) -> dict[str, Any]:
     """An elastic optimizer's communicator returns errors instead of aborting; the
     constructor arguments a recovery rebuilds it with."""
+    import os
+    import warnings
+
     from .mpi.ulfm import prepare
 
     prepare(comm)
+    if comm.rank == 0 and os.environ.get("OMPI_MCA_async_mpi_finalize") != "1":
+        warnings.warn(
+            "zerompi: elastic=True in a job whose MPI was initialised before zerompi was "
+            "imported: MPI_Finalize may hang after a lost rank (Open MPI 5.0.x); import "
+            "zerompi first, or launch with `mpiexec --with-ft ulfm --mca async_mpi_finalize 1`",
+            stacklevel=3,
+        )
     return args
 
 
