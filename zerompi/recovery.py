@@ -68,14 +68,19 @@ def elastic_setup(comm: Any, args: dict[str, Any]) -> dict[str, Any]:
     import os
     import warnings
 
+    from .mpi import ULFM_SETTINGS
     from .mpi.ulfm import prepare
 
     prepare(comm)
-    if comm.rank == 0 and os.environ.get("OMPI_MCA_async_mpi_finalize") != "1":
+    missing = {k: v for k, v in ULFM_SETTINGS.items() if os.environ.get(k) != v}
+    if comm.rank == 0 and missing:
+        options = " ".join(f"--mca {k[len('OMPI_MCA_'):]} {v}" for k, v in missing.items())
         warnings.warn(
-            "zerompi: elastic=True in a job whose MPI was initialised before zerompi was "
-            "imported: MPI_Finalize may hang after a lost rank (Open MPI 5.0.x); import "
-            "zerompi first, or launch with `mpiexec --with-ft ulfm --mca async_mpi_finalize 1`",
+            f"zerompi: elastic=True without {missing}: MPI was initialised before zerompi "
+            "was imported, or they were set otherwise. Open MPI 5.0.x then may return "
+            "garbage from a collective whose peer died (coll/han) or hang in MPI_Finalize "
+            f"after a lost rank: import zerompi first, or launch with `mpiexec --with-ft "
+            f"ulfm {options}`",
             stacklevel=3,
         )
     return args

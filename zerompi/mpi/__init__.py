@@ -22,9 +22,16 @@ importable without initialising MPI.
 
 import os as _os
 
-# Launched with `mpiexec --with-ft ulfm` (zerompi.elastic): skip MPI_Finalize's closing
-# PMIx fence. After a rank was lost, that fence now and then never completed here (Open
-# MPI 5.0.11: 3 hangs in 88 runs, none in 60 with it skipped); every zerompi collective
-# has completed by then. Set here, on `import zerompi`, before mpi4py initialises MPI.
-if _os.environ.get("OMPI_MCA_mpi_ft_enable") and "OMPI_MCA_async_mpi_finalize" not in _os.environ:
-    _os.environ["OMPI_MCA_async_mpi_finalize"] = "1"
+# Launched with `mpiexec --with-ft ulfm` (zerompi.elastic), two Open MPI settings, made
+# here, on `import zerompi`, before mpi4py initialises MPI (a value the user set wins):
+# * coll/han off: over two (SLURM) nodes, Open MPI 5.0.11's hierarchical collectives
+#   returned from an Allgather whose peer had been SIGKILLed with success and garbage
+#   in the receive buffer, instead of MPI_ERR_PROC_FAILED (the step's agreement caught
+#   it: "the step count differs between ranks"); without han the failure is reported;
+# * no closing PMIx fence in MPI_Finalize: after a lost rank it now and then never
+#   completed (3 hangs in 88 runs here; none in 120 without it); every zerompi
+#   collective has completed by then.
+ULFM_SETTINGS = {"OMPI_MCA_coll": "^han", "OMPI_MCA_async_mpi_finalize": "1"}
+if _os.environ.get("OMPI_MCA_mpi_ft_enable"):
+    for _name, _value in ULFM_SETTINGS.items():
+        _os.environ.setdefault(_name, _value)
