@@ -1,7 +1,8 @@
 """What surviving a lost rank costs and saves (README "Surviving a lost rank"); run it
 through ``scripts/elastic_measure`` (Open MPI's venv, ``mpiexec --with-ft ulfm``).
 
-1. The snapshot's cost per step: the driver at W = 2 without ``--elastic`` and with
+1. The snapshot's cost per step: the driver at W = 2 without ``--elastic`` (with and
+   without node shared memory, which ``--elastic`` turns off) and with
    ``--snapshot-every`` 100, 10 and 1, in alternating rounds; mean and median train
    step (the snapshot's work lands on one step in K, so the mean is the figure).
 2. A lost rank survived against a restart from the newest checkpoint on disk, same run:
@@ -67,7 +68,8 @@ def marker(control: Path, moment: str, ranks: int) -> dict[int, int]:
 
 
 def snapshot_cost(tmp: Path, model: list[str], steps: int, rounds: int) -> None:
-    setups = {"no --elastic": [], "K = 100": ["--elastic", "--snapshot-every", "100"],
+    setups = {"no --elastic": [], "same, no shm": ["--no-shared-memory"],
+              "K = 100": ["--elastic", "--snapshot-every", "100"],
               "K = 10": ["--elastic", "--snapshot-every", "10"],
               "K = 1": ["--elastic", "--snapshot-every", "1"]}  # fmt: skip
     means: dict[str, list[float]] = {k: [] for k in setups}
@@ -80,13 +82,15 @@ def snapshot_cost(tmp: Path, model: list[str], steps: int, rounds: int) -> None:
             means[name].append(1e3 * r["train_wall_s"] / r["steps_run"])
             medians[name].append(r["train_step_ms"])
             info[name] = r
-    base = statistics.median(means["no --elastic"])
+    base = statistics.median(means["same, no shm"])  # elastic's data path: no shared memory
     r = info["K = 1"]
     print(f"\n1. snapshot cost per step: W = 2, {r['params']:,} params ({r['dtype']}), "
           f"stage {r['stage']}, {steps} steps x {rounds} rounds (median of the rounds)")
     print(f"   snapshot buffers per rank: {r['memory_bytes']['snapshots'] / 2**20:.1f} MiB; "
           f"optimizer without them: "
           f"{(sum(r['memory_bytes'].values()) - r['memory_bytes']['snapshots']) / 2**20:.1f} MiB")
+    print("   (ratio: to 'same, no shm', the data path --elastic uses; 'no --elastic' uses "
+          "node shared memory, which --elastic turns off)")
     print(f"   {'setup':<14}{'mean step ms':>14}{'ratio':>8}{'median ms':>11}"
           f"{'snapshot B/step':>17}")
     for name in setups:
@@ -119,6 +123,8 @@ def recovery_vs_restart(tmp: Path, model: list[str]) -> None:
     lost_disk = 72 - 50
     print(f"\n2. a lost rank: W = 2 -> 1, {r['params']:,} params, rank 1 SIGKILLed in batch 73, "
           f"snapshots every 10, checkpoints every 50; a step at W = 1: {1e3 * step_s:.1f} ms")
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in rec["phases"].items())
+    print(f"   recovery phases (s): {phases}")
     print(f"   {'':<34}{'to go on (s)':>13}{'batches redone':>16}{'total (s)':>11}")
     print(f"   {'in-memory snapshot (--elastic)':<34}{rec['seconds']:>13.3f}{lost_elastic:>16}"
           f"{rec['seconds'] + lost_elastic * step_s:>11.2f}")

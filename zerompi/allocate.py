@@ -12,7 +12,7 @@ import numpy as np
 
 from .arrays import FlatArrays
 from .buffers import INITIALIZED, OVERLAP_SLOTS, BufferPool, Placed, placed_plan
-from .elastic import SLOTS, Snapshots, buddy_ranks, snapshot_plan
+from .elastic import SLOTS, Snapshots, buddy_ranks, is_restored, snapshot_plan
 from .gather import MPIGather, NodeGather, NoGather
 from .initial import initialize_by_bucket, initialize_whole
 from .mpi.ulfm import Exchange
@@ -79,7 +79,9 @@ class Allocation:
             for view in views.values() if low else ():
                 view.flags.writeable = False  # a rounded copy: writing it would not stick
             self._params = FlatArrays(views, "parameter", read_only=low)
-        if self.plan.full_params and not low and not node_copy:
+        if is_restored(params):
+            pass  # a recovery: zerompi.recovery writes every element from the snapshots
+        elif self.plan.full_params and not low and not node_copy:
             initialize_whole(comm, params, views, list(self._flat.values()))
         else:  # a node's ranks write their regions of its copy (then one fence)
             initialize_by_bucket(comm, layout, self.parts, params, self._bucket_view,

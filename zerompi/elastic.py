@@ -24,12 +24,13 @@ Pure numpy here; the MPI calls are in :mod:`zerompi.mpi.ulfm`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .buffers import PlannedBuffer
+from .partition import Deferred
 from .plan import STATE_KINDS
 
 if TYPE_CHECKING:
@@ -74,6 +75,20 @@ class RankLost(RuntimeError):
         return {"step": self.step, "world_size_before": self.world_size_before,
                 "world_size_after": self.world_size, "lost": self.lost,
                 "seconds": self.seconds}  # fmt: skip
+
+
+def _never() -> np.ndarray:
+    raise RuntimeError("the parameters of a recovery are filled from the snapshots")
+
+
+def restored(shape: tuple[int, ...], dtype: np.dtype) -> Deferred:
+    """A parameter of an optimizer rebuilt by a recovery: described, never initialized
+    (the re-shard writes every element; no broadcast of initial values)."""
+    return Deferred(shape, dtype, _never)
+
+
+def is_restored(params: Mapping[str, Any]) -> bool:
+    return all(isinstance(v, Deferred) and v.init is _never for v in params.values())
 
 
 # -- layout of a snapshot -------------------------------------------------------------
@@ -328,7 +343,8 @@ def reshard(
     """Collective over the new world ``comm``: fill this rank's shard pieces
     (``targets``, in :func:`pieces` order of ``new``) from the old world's states,
     each read on the rank ``where`` names (``sources(old rank, slot)``: counters, then
-    pieces), with one exact-count byte ``alltoallv`` (:func:`zerompi.mpi.ulfm.alltoallv_bytes`)."""
+    pieces), with one exact-count byte ``alltoallv`` (:func:`zerompi.mpi.ulfm.alltoallv_bytes`);
+    what this rank holds and keeps is copied in place, not packed."""
     me, size = comm.rank, comm.size
     plan = moves(old, old_size, new, size)
     dtypes = {r: [d for *_, d in pieces(old, r)] for r in range(old_size)}
@@ -336,27 +352,31 @@ def reshard(
     views: dict[int, list[np.ndarray]] = {}
     for m in plan:
         holder, slot = where[m.old]
+        if holder == me and m.old not in views:
+            views[m.old] = sources(m.old, slot)[1:]
+        if holder == me and m.new == me:  # stays here: copied, never packed
+            target = targets[m.new_piece][m.new_at : m.new_at + m.count]
+            target[...] = views[m.old][m.old_piece][m.old_at : m.old_at + m.count]
+            continue
         nbytes = m.count * dtypes[m.old][m.old_piece].itemsize
         if holder == me:
             send_counts[m.new] += nbytes
-            if m.old not in views:
-                views[m.old] = sources(m.old, slot)[1:]
         if m.new == me:
             recv_counts[holder] += nbytes
     send = np.empty(sum(send_counts), np.uint8)
     recv = np.empty(sum(recv_counts), np.uint8)
     at = 0
     for m in plan:  # by destination, in plan order
-        if where[m.old][0] == me:
+        if where[m.old][0] == me and m.new != me:
             chunk = views[m.old][m.old_piece][m.old_at : m.old_at + m.count].view(np.uint8)
             send[at : at + chunk.shape[0]] = chunk
             at += chunk.shape[0]
     alltoallv(comm, send, send_counts, recv, recv_counts)
     cursor = np.concatenate([[0], np.cumsum(recv_counts[:-1])]).astype(np.int64)
     for m in plan:
-        if m.new != me:
-            continue
         holder = where[m.old][0]
+        if m.new != me or holder == me:
+            continue
         target = targets[m.new_piece][m.new_at : m.new_at + m.count]
         nbytes = target.nbytes
         start = int(cursor[holder])

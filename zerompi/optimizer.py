@@ -37,6 +37,7 @@ import numpy as np
 from .adam import AdamConfig, adam_step, sr_key
 from .allocate import Allocation
 from .arrays import check_failure_settings, check_params
+from .elastic import is_restored
 from .handover import HandOver
 from .mpi.agreement import CollectiveError, agree_step
 from .mpi.collectives import Comm
@@ -202,7 +203,8 @@ class ZeroOptimizer(Elastic, HandOver, OptimizerState, Allocation):
         comm_.step = 1
         if elastic:
             self._install_guards()
-            self._snapshots.restart(self)  # the initial state
+            if not is_restored(params):  # (a recovery snapshots what it restores)
+                self._snapshots.restart(self)  # the initial state
 
     def _describe(self, index: int) -> str:
         """Bucket ``index`` in words, for error messages and the watchdog."""

@@ -28,8 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .elastic import RankLost, buddy_ranks, choose, reshard
-from .partition import Deferred
+from .elastic import RankLost, buddy_ranks, choose, reshard, restored
 from .runtime import clock
 
 #: The methods an elastic optimizer guards (every one that can communicate).
@@ -145,6 +144,7 @@ class Elastic:
         if not ulfm.agree(survivors, 1):  # every survivor got here (fault tolerant)
             raise RuntimeError("zerompi: the survivors did not agree on the recovery")
         statuses = survivors.allgather(snaps.status())
+        marks = [clock()]  # the end of each phase: agree, rebuild, re-shard, snapshot
         members = [tuple(m) for m in nodes.members] if nodes.count > 1 else None
 
         def holder(rank: int) -> int:
@@ -162,27 +162,34 @@ class Elastic:
         specs = [(spec.name, spec.shape, spec.dtype) for spec in old_layout.params]
         old_size = old.size
         self._drop_state()
-        zeros = {
-            name: Deferred(shape, dtype, lambda s=shape, d=dtype: np.zeros(s, d))
-            for name, shape, dtype in specs
-        }
-        type(self).__init__(self, zeros, comm=survivors.mpi, **args)  # type: ignore[misc]
+        described = {name: restored(shape, dtype) for name, shape, dtype in specs}
+        type(self).__init__(self, described, comm=survivors.mpi, **args)  # type: ignore[misc]
         self.configs[:] = configs  # the settings the survivors trained with last
         self.recoveries = recoveries
+        marks.append(clock())
         if chosen is not None:
             targets = [shard for _, _, shard in self.state_shards()]
             reshard(self.comm, old_layout, old_size, self.layout, where,
                     snaps.source_views, targets, ulfm.alltoallv_bytes)  # fmt: skip
             self.publish_state()
+            marks.append(clock())
             assert meta is not None
             if self.scaler is not None and self.scaler.dynamic:
                 self.scaler.restore(float(meta[3]), int(meta[4]))
             self.set_counters(int(meta[1]), int(meta[2]))  # and snapshots the state
         del snaps
-        seconds = self.comm.max(clock() - start)
-        lost_error = RankLost(None if chosen is None else int(meta[0]), self.comm.size,  # type: ignore[index]
+        marks.append(clock())
+        comm = self.comm
+        seconds = comm.max(marks[-1] - start)
+        names = ("agree", "rebuild", "reshard", "snapshot")[: len(marks) - (chosen is None)]
+        if chosen is None:
+            names += ("end",)
+        phases = dict(zip(names, np.diff([start, *marks]).tolist(), strict=True))
+        lost_error = RankLost(None if chosen is None else int(meta[0]), comm.size,  # type: ignore[index]
                               old_size, lost, seconds)  # fmt: skip
-        self.recoveries.append(lost_error.record())
+        self.recoveries.append(
+            {**lost_error.record(), "phases": {k: comm.max(v) for k, v in phases.items()}}
+        )
         return lost_error
 
     def _drop_state(self) -> None:
