@@ -312,14 +312,14 @@ def test_a_rank_lost_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> 
     is intact, no temporary is left behind, and after the recovery batch 20's
     checkpoint is written by the survivors."""
     prefix = tmp_path / "ck"
-    args = [*DRIVER, "--stage", "3", "--save", str(prefix), "--save-every", "10"]
+    args = [*DRIVER, "--stage", "3", "--save", str(prefix), "--save-every", "10", "--keep", "5"]
     job = Job(tmp_path, 4, args, pauses="save:20")
     pids = job.wait_marker("save:20", 4)
     os.kill(pids[2], signal.SIGKILL)
     results = finished(job, 3, 1)
     assert results["recoveries"][0]["step"] in (15, 20)
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck"))
-    assert names == ["ck.00000020", "ck.00000030", "ck.00000040"], names  # --keep 3
+    assert names == ["ck.00000010", "ck.00000020", "ck.00000030", "ck.00000040"], names
     for name in names:
         checkpoint.verify(tmp_path / name)
 
