@@ -9,7 +9,9 @@ that the test can SIGKILL a rank by PID, from outside, at that moment:
 * ``snapshot:N``: right after the snapshot after batch N was sent, before it is
   committed (mid-snapshot);
 * ``save:N``: inside the checkpoint save after batch N, with every rank's part of the
-  temporary file written, before it is renamed into place (mid-save).
+  temporary file written, before it is renamed into place (mid-save);
+* ``recover``: inside a recovery, after the survivors shrank the world and chose the
+  step to go back to, before the re-shard (a loss during a recovery).
 
 Each moment pauses once per process (a batch redone after a recovery does not pause
 again). Everything else is the driver's command line.
@@ -22,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from zerompi import elastic
+from zerompi import elastic, recovery
 from zerompi.driver import main
 from zerompi.mpi.collectives import Comm
 from zerompi.optimizer import ZeroOptimizer
@@ -80,6 +82,16 @@ def _save(self: ZeroOptimizer, path: str) -> None:
         saving.pop()
 
 
+choose = elastic.choose
+
+
+def _choose(*args, **kwargs):  # type: ignore[no-untyped-def]
+    out = choose(*args, **kwargs)
+    pause("recover")
+    return out
+
+
+recovery.choose = _choose  # type: ignore[attr-defined]
 ZeroOptimizer._agree = _agree  # type: ignore[method-assign]
 elastic.Snapshots.post = _post  # type: ignore[method-assign]
 Comm.sync_file = _sync  # type: ignore[method-assign]

@@ -365,3 +365,20 @@ def test_elastic_without_the_launchers_fault_tolerance_is_refused(tmp_path: Path
     )  # fmt: skip
     assert proc.returncode != 0
     assert "mpiexec --with-ft ulfm" in proc.stdout + proc.stderr
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
+def test_a_rank_lost_during_a_recovery_ends_the_job(tmp_path: Path) -> None:
+    """Not survivable, but never a hang: rank 3 dies in batch 13, rank 2 while the
+    others recover; the survivors' recovery fails, each says so and exits, and
+    mpiexec ends (with MPI_Abort instead, it deadlocked in 2 runs of 6)."""
+    job = Job(tmp_path, 4, [*DRIVER, "--stage", "2"], pauses="step:13,recover")
+    os.kill(job.wait_marker("step:13", 4)[3], signal.SIGKILL)
+    os.kill(job.wait_marker("recover", 3)[2], signal.SIGKILL)
+    start = time.monotonic()
+    status, out, results = job.finish(timeout=60)
+    assert status != 0 and not results, out[-3000:]
+    assert "the recovery from a lost rank failed" in out, out[-3000:]
+    assert "not survivable" in out
+    assert time.monotonic() - start < 30

@@ -132,7 +132,21 @@ class Elastic:
 
     def _recover(self) -> RankLost:
         """Collective over the survivors (see the module docstring); the exception to
-        raise."""
+        raise. A failure during it is not survivable: this process says so and ends
+        (:func:`zerompi.mpi.launch.end_process`), and the other survivors, whose
+        recovery fails alike, do the same."""
+        try:
+            return self._recover_now()
+        except Exception as exc:
+            from .mpi.launch import end_process
+
+            end_process(
+                f"zerompi: the recovery from a lost rank failed ({type(exc).__name__}: "
+                f"{exc}); a rank lost during a recovery is not survivable"
+            )
+            raise  # not reached
+
+    def _recover_now(self) -> RankLost:
         from .mpi import ulfm
         from .mpi.collectives import Comm
 
