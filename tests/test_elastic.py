@@ -382,3 +382,15 @@ def test_a_rank_lost_during_a_recovery_ends_the_job(tmp_path: Path) -> None:
     assert "the recovery from a lost rank failed" in out, out[-3000:]
     assert "not survivable" in out
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
+def test_a_rank_lost_with_its_buddy_and_no_checkpoint_ends_the_job(tmp_path: Path) -> None:
+    job = Job(tmp_path, 4, [*DRIVER, "--stage", "1"], pauses="step:13")
+    pids = job.wait_marker("step:13", 4)
+    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[2], signal.SIGKILL)
+    status, out, results = job.finish(timeout=60)
+    assert status != 0 and not results, out[-3000:]
+    assert "there is no checkpoint to fall back to" in out, out[-3000:]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..elastic import RankLost
 from ..mpi.collectives import Comm
+from ..mpi.launch import end_process
 
 if TYPE_CHECKING:
     from .. import ZeroOptimizer
@@ -60,7 +61,7 @@ def resume_path(path: str, comm: Comm) -> str:
 def survived(opt: ZeroOptimizer, args: argparse.Namespace, lost: RankLost) -> int:
     """After a lost rank (``--elastic``): the batch to go back to, the snapshot's, or,
     when the snapshot was lost with it, the newest ``--save`` checkpoint's (loaded at
-    the new world size). Raises when there is neither."""
+    the new world size). With neither, every survivor says so and exits with status 1."""
     comm = opt.comm
     comm.pop_traffic()  # the recovery's messages are not a step's
     if comm.rank == 0:
@@ -70,9 +71,9 @@ def survived(opt: ZeroOptimizer, args: argparse.Namespace, lost: RankLost) -> in
         return lost.step
     found = resume_path(args.save, comm) if args.save else None
     if not found or not os.path.isfile(found):
-        raise RuntimeError(
-            f"zerompi.driver: {lost}; there is no checkpoint to fall back to (--save)"
-        ) from lost
+        # Every survivor is here alike; each ends itself (not MPI_Abort, which can
+        # leave Open MPI's mpiexec deadlocked once ranks have died).
+        end_process(f"zerompi.driver: {lost}; there is no checkpoint to fall back to (--save)")
     opt.load(found)
     opt.recoveries[-1]["checkpoint"] = found
     step = opt.step_count + opt.skipped_steps
