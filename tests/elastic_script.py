@@ -10,6 +10,7 @@ that the test can SIGKILL a rank by PID, from outside, at that moment:
   committed (mid-snapshot);
 * ``save:N``: inside the checkpoint save after batch N, with every rank's part of the
   temporary file written, before it is renamed into place (mid-save);
+  ``save:N:again`` in the next save of that checkpoint (after a recovery);
 * ``recover``: inside a recovery, after the survivors shrank the world and chose the
   step to go back to, before the re-shard (a loss during a recovery).
 
@@ -67,7 +68,8 @@ saving: list[int] = []
 def _sync(self: Comm, fh):  # type: ignore[no-untyped-def]
     out = sync(self, fh)
     if saving:
-        pause(f"save:{saving[-1]}")
+        moment = f"save:{saving[-1]}"
+        pause(f"{moment}:again" if moment in done else moment)
     return out
 
 

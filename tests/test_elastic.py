@@ -326,6 +326,26 @@ def test_a_rank_lost_mid_save_leaves_the_previous_checkpoint(tmp_path: Path) -> 
 
 @pytest.mark.mpi_skip
 @ulfm_only
+def test_a_rank_lost_while_a_checkpoint_is_written_again_is_survived(tmp_path: Path) -> None:
+    """Rank 2 dies in the save of batch 20, then rank 3 (of the first world) in the
+    next save of batch 20, the one the survivors write after going back (or reach
+    again): the second loss is survived too, and the job finishes at W = 2."""
+    prefix = tmp_path / "ck"
+    args = [*DRIVER, "--stage", "2", "--save", str(prefix), "--save-every", "10", "--keep", "5"]
+    job = Job(tmp_path, 4, args, pauses="save:20,save:20:again")
+    pids = job.wait_marker("save:20", 4)
+    os.kill(pids[2], signal.SIGKILL)
+    os.kill(job.wait_marker("save:20:again", 3)[3], signal.SIGKILL)
+    results = finished(job, 2, 2)
+    assert [r["world_size_after"] for r in results["recoveries"]] == [3, 2]
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck"))
+    assert names == ["ck.00000010", "ck.00000020", "ck.00000030", "ck.00000040"], names
+    for name in names:
+        checkpoint.verify(tmp_path / name)
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
 def test_recovery_equals_a_resume_at_the_smaller_world(tmp_path: Path) -> None:
     """A run that loses a rank after batch 12 (snapshot 10) ends where a run that saved
     at batch 10 and resumed at world size 3 ends, bit for bit: parameters and Adam

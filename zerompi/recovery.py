@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .elastic import RankLost, buddy_ranks, choose, reshard, restored
+from .mpi.launch import end_process
 from .runtime import clock
 
 #: The methods an elastic optimizer guards (every one that can communicate).
@@ -138,13 +139,10 @@ class Elastic:
         try:
             return self._recover_now()
         except Exception as exc:
-            from .mpi.launch import end_process
-
             end_process(
                 f"zerompi: the recovery from a lost rank failed ({type(exc).__name__}: "
                 f"{exc}); a rank lost during a recovery is not survivable"
             )
-            raise  # not reached
 
     def _recover_now(self) -> RankLost:
         from .mpi import ulfm

@@ -61,7 +61,19 @@ def resume_path(path: str, comm: Comm) -> str:
 def survived(opt: ZeroOptimizer, args: argparse.Namespace, lost: RankLost) -> int:
     """After a lost rank (``--elastic``): the batch to go back to, the snapshot's, or,
     when the snapshot was lost with it, the newest ``--save`` checkpoint's (loaded at
-    the new world size). With neither, every survivor says so and exits with status 1."""
+    the new world size). With neither, every survivor says so and exits with status 1.
+    A rank lost while this runs (the fallback's load, a checkpoint written again) is
+    survived the same way: the recovery this raises is taken in turn."""
+    while True:
+        try:
+            with opt.survive():
+                return _go_back(opt, args, lost)
+        except RankLost as again:
+            lost = again
+
+
+def _go_back(opt: ZeroOptimizer, args: argparse.Namespace, lost: RankLost) -> int:
+    """Collective: one pass of :func:`survived`."""
     comm = opt.comm
     comm.pop_traffic()  # the recovery's messages are not a step's
     if comm.rank == 0:
@@ -70,7 +82,8 @@ def survived(opt: ZeroOptimizer, args: argparse.Namespace, lost: RankLost) -> in
         resave(opt, args, lost.step)
         return lost.step
     found = resume_path(args.save, comm) if args.save else None
-    if not found or not os.path.isfile(found):
+    # Rank 0's verdict on every rank: whether to end must not differ between ranks.
+    if not found or not comm.allgather(os.path.isfile(found) if comm.rank == 0 else None)[0]:
         # Every survivor is here alike; each ends itself (not MPI_Abort, which can
         # leave Open MPI's mpiexec deadlocked once ranks have died).
         end_process(f"zerompi.driver: {lost}; there is no checkpoint to fall back to (--save)")

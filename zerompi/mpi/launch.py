@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 
 def _loaded_mpi() -> Any | None:
@@ -37,7 +37,7 @@ def abort_world(code: int = 1) -> None:
     os._exit(code)  # pragma: no cover - no MPI to abort: end this process at least
 
 
-def end_process(message: str, code: int = 1) -> None:
+def end_process(message: str, code: int = 1) -> NoReturn:
     """End this process alone, with ``message`` on stderr: the exit of an elastic
     rank whose recovery failed (ULFM). Not ``MPI_Abort``: after ranks had died, Open
     MPI 5.0.11's mpiexec deadlocked on an abort now and then (its ranks gone, itself
