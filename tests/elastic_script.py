@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from zerompi import elastic, recovery
+from zerompi import elastic, recovery, step
 from zerompi.driver import main
 from zerompi.mpi.collectives import Comm
 from zerompi.optimizer import ZeroOptimizer
@@ -45,19 +45,19 @@ def pause(moment: str) -> None:
         time.sleep(SECONDS)
 
 
-agree = ZeroOptimizer._agree
+agree = step.agree
 
 
-def _agree(self: ZeroOptimizer, stats):  # type: ignore[no-untyped-def]
-    pause(f"step:{self.step_count + self.skipped_steps + 1}")
-    return agree(self, stats)
+def _agree(engine, row):  # type: ignore[no-untyped-def]
+    pause(f"step:{engine.step_count + engine.skipped_steps + 1}")
+    return agree(engine, row)
 
 
 post = elastic.Snapshots.post
 
 
-def _post(self: elastic.Snapshots, opt: ZeroOptimizer) -> None:
-    post(self, opt)
+def _post(self: elastic.Snapshots, engine) -> None:  # type: ignore[no-untyped-def]
+    post(self, engine)
     pause(f"snapshot:{self.pending}")
 
 
@@ -94,7 +94,7 @@ def _choose(*args, **kwargs):  # type: ignore[no-untyped-def]
 
 
 recovery.choose = _choose  # type: ignore[attr-defined]
-ZeroOptimizer._agree = _agree  # type: ignore[method-assign]
+step.agree = _agree  # type: ignore[assignment]
 elastic.Snapshots.post = _post  # type: ignore[method-assign]
 Comm.sync_file = _sync  # type: ignore[method-assign]
 ZeroOptimizer.save = _save  # type: ignore[method-assign]

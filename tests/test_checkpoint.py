@@ -24,12 +24,23 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_all, assert_raises_all
+from helpers import (
+    F32,
+    F64,
+    MIXED,
+    SHAPES,
+    Spec,
+    assert_all,
+    assert_raises_all,
+    backward,
+    make_params,
+    rank_grads,
+    spec_of,
+)
 from mpi4py import MPI
-from test_optimizer import F32, F64, MIXED, SHAPES, Spec, backward, make_params, rank_grads, spec_of
 
 import zerompi.mpi.collectives
-from zerompi import ZeroOptimizer, checkpoint
+from zerompi import ZeroOptimizer, checkpoint, state
 from zerompi.checkpoint import CheckpointError, collective
 
 WORLD = MPI.COMM_WORLD
@@ -507,23 +518,24 @@ def file_lines_over(limit: int) -> list[str]:
 
 
 @pytest.mark.mpi_skip
-def test_checkpoint_interface_of_the_optimizer() -> None:
-    """The optimizer's side of the interface on one rank: shards are writable views
+def test_checkpoint_interface_of_the_engine() -> None:
+    """The engine's side of the interface on one rank: shards are writable views
     that cover every section exactly once, in ``state_sections`` order."""
     opt = make_opt(MPI.COMM_SELF, 3)
-    sections = opt.state_sections()
+    engine = opt.engine
+    sections = state.state_sections(engine)
     assert sections == [f"{k}.{d}" for d in ("float32", "float64") for k in checkpoint.KINDS]
     covered: dict[str, int] = dict.fromkeys(sections, 0)
-    for name, first, shard in opt.state_shards():
+    for name, first, shard in state.state_shards(engine):
         assert shard.ndim == 1 and shard.flags.writeable and first == covered[name]
         covered[name] += shard.size
     sizes = {d.name: n for d, n in opt.layout.sizes.items()}
     assert covered == {s: sizes[s.rpartition(".")[2]] for s in sections}
-    entries = opt.param_entries()
+    entries = state.param_entries(engine)
     assert [e[0] for e in entries] == list(MIXED)
     assert all(tuple(e[1]) == MIXED[e[0]][0] and e[2] == MIXED[e[0]][1] for e in entries)
     assert set(opt.hyperparameters()) == {
         "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled"
     }  # fmt: skip
-    opt.set_counters(7, 2)
+    state.set_counters(engine, 7, 2)
     assert (opt.step_count, opt.skipped_steps) == (7, 2)

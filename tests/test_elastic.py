@@ -85,7 +85,7 @@ def test_an_empty_shard_has_a_snapshot_of_counters_only() -> None:
     assert all(snapshot_bytes(lay, r) == 64 for r in empty)
     assert 8 in empty and 0 not in empty
     own = snapshot_plan(lay, 0, 8)
-    assert [b.kind for b in own] == ["snapshot_own", "snapshot_held", "snapshot_next"]
+    assert [b.kind.label for b in own] == ["snapshot_own", "snapshot_held", "snapshot_next"]
     assert [b.count for b in own] == [snapshot_bytes(lay, 0), 64, 64]
 
 

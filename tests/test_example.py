@@ -1,4 +1,4 @@
-"""The README's "Using it" code is ``scripts/example.py``, and it trains.
+"""The example of docs/usage.md ("The numpy API") is ``scripts/example.py``, and it trains.
 
 Serial run only (a subprocess ``mpiexec``, as in ``tests/test_failures.py``)."""
 
@@ -14,13 +14,12 @@ from test_harness import mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "scripts" / "example.py"
+USAGE = ROOT / "docs" / "usage.md"
 
 
-def test_the_readme_shows_the_example() -> None:
-    """The first code block under "Using it" is the example from its imports on."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Using it") :]
-    block = re.search(r"```python\n(.*?)```\n", section, re.S)
+def test_the_docs_show_the_example() -> None:
+    """The first python block of docs/usage.md is the example from its imports on."""
+    block = re.search(r"^```python\n(.*?)^```[ \t]*$", USAGE.read_text(), re.M | re.S)
     code = EXAMPLE.read_text()
     assert block is not None
     assert block.group(1) == code[code.index("import numpy as np") :]

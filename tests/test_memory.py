@@ -27,10 +27,10 @@ from zerompi.memory import (
     estimate,
     estimate_max,
     flat_specs,
-    main,
     mlp_specs,
     paper_bytes,
 )
+from zerompi.memory.cli import main
 from zerompi.partition import DEFAULT_BUCKET_ELEMS, STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,7 +283,7 @@ def test_traffic_model_equals_the_books(comm: MPI.Intracomm, precision: tuple) -
             opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=8,
                                 shared_memory=shared, param_dtype=p_dt, reduce_dtype=r_dt,
                                 loss_scale=1.0 if r_dt else None)  # fmt: skip
-            low = next(iter(opt.precisions.values())).reduce
+            low = next(iter(opt.engine.precisions.values())).reduce
             grads = {n: np.full(p.shape, 0.125, low if p.dtype == F32 else p.dtype)
                      for n, p in params.items()}  # fmt: skip
             opt.comm.pop_traffic()

@@ -14,9 +14,11 @@ from helpers import assert_all
 from mpi4py import MPI
 
 from zerompi import ZeroOptimizer
+from zerompi.buffers import Kind
 from zerompi.mpi import shm
 from zerompi.mpi.collectives import Comm
 from zerompi.mpi.nodes import NODE_SIZE_ENV, nodes_of
+from zerompi.reduction import NodeReduce
 from zerompi.reference import ReferenceAdam
 
 F32 = np.dtype(np.float32)
@@ -126,7 +128,8 @@ def test_the_node_reduction_matches_the_mpi_one(
                           max_norm=0.5, shared_memory=shared) for shared in (True, False)]
     problems = []
     shared = opts[0].shared_memory
-    if shared and stage == 1 and opts[0].reducer.node_sum is None:
+    summed = [b for b in opts[0].engine.reducer.backends if isinstance(b, NodeReduce)]
+    if shared and stage == 1 and not summed:
         problems.append("stage 1 with shared memory does not reduce in node shared memory")
     rng = np.random.default_rng(11 + comm.rank)
     for step in range(4):
@@ -143,7 +146,7 @@ def test_the_node_reduction_matches_the_mpi_one(
                 problems.append(f"step {step}: {len(passes)} statistics pass(es) after the "
                                 "node reduction")  # fmt: skip
             if opt is opts[0] and shared and stage > 1:
-                views = opt.reducer.views
+                views = opt.engine.reducer.views
                 dirty = [(s, i) for s, row in enumerate(views) for i, v in enumerate(row)
                          if v.any()]  # fmt: skip
                 if dirty:
@@ -174,7 +177,7 @@ def test_stage_3_gathers_each_layer_once_per_node(
                           shared_memory=shared) for shared in (None, False)]  # fmt: skip
     nodes, problems = opts[0].nodes, []
     hier = opts[0].shared_memory and nodes.count > 1
-    layers = opts[0].layers  # (None on one node with shared memory: read in place)
+    layers = getattr(opts[0].engine.access, "layers", None)  # (none on one node: read in place)
     node_gathers = layers is not None and layers.node is not None
     if hier != node_gathers:
         problems.append(f"node-shared gathers {node_gathers} with {nodes}")
@@ -221,8 +224,10 @@ def test_16_bit_stage_1_gradients_reduce_over_mpi(comm: MPI.Intracomm) -> None:
     del ml_dtypes
     opt = ZeroOptimizer(_params(), comm=comm, stage=1, bucket_elems=6,
                         reduce_dtype="bfloat16", shared_memory=None)  # fmt: skip
-    ok = opt.reducer.node_sum is None and "grads" not in opt.plan.shared_kinds
-    assert_all(ok, f"16-bit stage 1 gradients in node memory: {opt.plan}")
+    plan = opt.engine.plan
+    summed = [b for b in opt.engine.reducer.backends if isinstance(b, NodeReduce)]
+    ok = not summed and Kind.GRADS not in plan.node_memory
+    assert_all(ok, f"16-bit stage 1 gradients in node memory: {plan}")
 
 
 @pytest.mark.parametrize("stage", [2, 3])

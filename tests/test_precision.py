@@ -5,7 +5,7 @@ The reference applies the same roundings: gradients are small multiples of 1/8,
 exactly representable in bfloat16 and float16 and summed exactly in float32, so the
 master copy (``full_params()``, in the arrays' own dtype) equals the reference's
 float32 Adam (bit for bit on one rank, 1e-6 relative on more, as in
-``test_optimizer``) and the model's copy (``opt.params`` / ``opt.gathered``) is the
+``test_reference``) and the model's copy (``opt.params`` / ``opt.gathered``) is the
 master rounded to nearest even, bit for bit, at every world size and stage, over
 MPI and shared memory. The kernel tests check every compiled variant's rounding
 against numpy's float16 and ml_dtypes' bfloat16 casts.
@@ -19,9 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import WORLD, assert_all
+from helpers import WORLD, assert_all, raises
 from mpi4py import MPI
-from test_optimizer import raises
 
 from zerompi import ZeroOptimizer
 from zerompi.adam import VARIANTS, AdamConfig, adam_step, round_low
@@ -329,10 +328,10 @@ def test_loss_scale_defaults() -> None:
     a number is a static scale."""
     params = params_of()
     assert ZeroOptimizer(params, reduce_dtype="float16").loss_scale == 2.0**16
-    assert ZeroOptimizer(params, reduce_dtype="bfloat16").scaler is None
-    assert ZeroOptimizer(params, param_dtype="float16").scaler is None
+    assert ZeroOptimizer(params, reduce_dtype="bfloat16").engine.scaler is None
+    assert ZeroOptimizer(params, param_dtype="float16").engine.scaler is None
     static = ZeroOptimizer(params, loss_scale=128)
-    assert static.loss_scale == 128.0 and not static.scaler.dynamic  # type: ignore[union-attr]
+    assert static.loss_scale == 128.0 and not static.engine.scaler.dynamic  # type: ignore[union-attr]
     s = LossScale()
     assert (s.scale, s.growth, s.backoff, s.growth_interval) == (2.0**16, 2.0, 0.5, 2000)
 

@@ -45,10 +45,10 @@ def one_step(opt: ZeroOptimizer, rank: int, step: int, forward: list[str], backw
     ahead = []
     for layer in forward:
         with opt.gathered(layer):
-            ahead.append(opt.layers.inflight is not None)  # type: ignore[union-attr]
+            ahead.append(opt.engine.access.layers.inflight is not None)  # type: ignore[union-attr]
     for layer in backward:
         with opt.gathered(layer), opt.gradients(layer) as g:
-            ahead.append(opt.layers.inflight is not None)  # type: ignore[union-attr]
+            ahead.append(opt.engine.access.layers.inflight is not None)  # type: ignore[union-attr]
             for name in g:
                 g[name][...] += grad(name, rank, step)
     opt.step()

@@ -10,8 +10,8 @@ pin down stage 3's gather buffer lifecycle, the errors of misuse, ``Deferred``
 parameters, ``memory_usage()`` per stage and the bytes each stage moves.
 
 The model ``TINY`` has groups of 1 to 8 elements in both dtypes, so on 2 to 4 ranks
-some ranks own nothing of most buckets. Like ``test_optimizer`` (whose helpers this
-module uses): gradients are multiples of 1/8, so every sum is exact; bit-identical
+some ranks own nothing of most buckets. Like ``test_reference`` (with the helpers of
+``helpers.py``): gradients are multiples of 1/8, so every sum is exact; bit-identical
 to the reference on one rank, float32 1e-6 / float64 1e-12 relative error on more;
 one collective verdict per test.
 """
@@ -25,14 +25,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_all
-from mpi4py import MPI
-from test_optimizer import (
+from helpers import (
     F32,
     F64,
     MODES,
     VARIANTS,
     Spec,
+    assert_all,
     backward,
     bucket_members,
     bucket_sizes,
@@ -48,8 +47,10 @@ from test_optimizer import (
     train,
     verdict,
 )
+from mpi4py import MPI
 
 from zerompi import Deferred, ZeroOptimizer, shard_counts
+from zerompi.buffers import Kind
 from zerompi.mpi.agreement import CollectiveError
 from zerompi.reference import ReferenceAdam
 
@@ -314,8 +315,8 @@ def test_stage_3_gathers_one_bucket_at_a_time(comm: MPI.Intracomm) -> None:
     problems = []
 
     def released(when: str) -> None:
-        if opt._gathered is not None:
-            problems.append(f"{when}: bucket {opt._gathered} still gathered")
+        if opt.engine.access.in_use is not None:
+            problems.append(f"{when}: bucket {opt.engine.access.in_use} still gathered")
 
     def check(p: Mapping[str, np.ndarray], names: Sequence[str], when: str) -> None:
         if sorted(p) != sorted(expand(names)):
@@ -749,7 +750,7 @@ def test_bytes_moved_per_step(comm: MPI.Intracomm, mode: str) -> None:
             want = {("allreduce", "sent"): 2 * (w - 1) * model}
         else:
             reductions = n_micro if stage >= 2 else 1
-            layers = stage == 3 and not opt.plan.full_params  # (one node: read in place)
+            layers = stage == 3 and not opt.engine.plan.full_params  # (one node: read in place)
             gathers = 2 * n_micro if layers else 1
             want = {
                 ("reduce_scatter", "sent"): reductions * (w - 1) * model,
@@ -810,7 +811,7 @@ def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
                        shared_memory=True) as opt:  # fmt: skip
         # the same buffers, but stage 2's parameters are one copy per node, shared out
         used, want = opt.memory_usage(), dict(plain.memory_usage())
-        if "params" in opt.plan.node_kinds:  # stages 1-2, stage 3 on one node: one copy
+        if Kind.PARAMS in opt.engine.plan.node_memory:  # stages 1-2, stage 3 on one node
             total = sum(p.nbytes for p in params.values())
             share = comm.allreduce(used["parameter_partitions"])
             if share != total * opt.nodes.count:
@@ -822,7 +823,7 @@ def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
         want["communication_buffers"] += sum(
             b for n, b in opt.memory_buffers().items() if n.startswith("grad_node.")
         )
-        if "param_bucket" in opt.plan.node_kinds:  # stage 3 over several nodes: the
+        if Kind.PARAM_BUCKET in opt.engine.plan.node_memory:  # stage 3, several nodes: the
             # gathered layers are one copy per node, whose shares add up to it
             mine = {n: b for n, b in opt.memory_buffers().items() if n.startswith("param_b")}
             full = {n: b for n, b in plain.memory_buffers().items() if n.startswith("param_b")}
@@ -836,7 +837,7 @@ def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
         hand_over(opt, ("a",), rank_grads(TINY, 0, comm.rank))
         opt.step()
         before = opt.full_params()
-    if not opt._closed or opt.pool.segments:
+    if not opt.engine.closed or opt.engine.pool.segments:
         problems.append("not closed on exit")
     after = opt.full_params()  # the parameters moved out of the window, still readable
     for name in before:

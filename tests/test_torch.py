@@ -77,9 +77,10 @@ def test_staging_slots_by_default_and_on_request(
                    overlap=overlap)  # fmt: skip
     want = stage < 3 if overlap is None else overlap
     slot = 4 * opt.zero.layout.max_bucket(np.dtype(np.float32))  # bytes
-    slots = opt.zero.pool.buffers().get("grad_bucket.float32", 0) // slot
-    if opt.zero.overlap is not want or slots != 1 + want:
-        problems.append(f"overlap {opt.zero.overlap}, {slots} staging slots; want {want}")
+    slots = opt.zero.memory_buffers().get("grad_bucket.float32", 0) // slot
+    overlap = opt.zero.config.overlap.enabled
+    if overlap is not want or slots != 1 + want:
+        problems.append(f"overlap {overlap}, {slots} staging slots; want {want}")
     opt.close()
     assert_all(not problems, "\n".join(problems[:6]))
 

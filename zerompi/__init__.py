@@ -4,14 +4,16 @@ Every rank owns a contiguous, exactly counted shard of the flattened parameters
 (:func:`shard_range`); gradients are reduced with ``Reduce_scatter`` and parameters
 gathered with ``Allgatherv`` using exact variable counts, with no padding anywhere.
 
-The optimizer (and with it mpi4py) is imported on first use, so that the pure parts
-(the partition functions, :mod:`zerompi.checkpoint`'s reader, :mod:`zerompi.memory`'s
-estimator) work on a machine without MPI.
+:class:`ZeroConfig` (and its policies) describes an optimizer; :class:`ZeroOptimizer`
+runs one. The optimizer (and with it mpi4py) is imported on first use, so that the
+pure parts (the partition functions, the config, :mod:`zerompi.checkpoint`'s reader,
+:mod:`zerompi.memory`'s estimator) work on a machine without MPI.
 """
 
 from typing import Any
 
 from .adam import AdamConfig
+from .config import ElasticPolicy, NodeMemoryPolicy, OverlapPolicy, PrecisionPolicy, ZeroConfig
 from .elastic import RankLost
 from .mpi.launch import install_abort_hook
 from .partition import (
@@ -34,8 +36,13 @@ install_abort_hook()
 __all__ = [
     "AdamConfig",
     "Deferred",
+    "ElasticPolicy",
     "Layout",
+    "NodeMemoryPolicy",
+    "OverlapPolicy",
+    "PrecisionPolicy",
     "RankLost",
+    "ZeroConfig",
     "ZeroOptimizer",
     "__version__",
     "gather_shards",

@@ -292,13 +292,15 @@ def accumulate(
     out: np.ndarray, part: np.ndarray, add: bool, kernel: str | None = None,
     variant: str | None = None,
 ) -> None:  # fmt: skip
-    """``out += part`` (``add``) or ``out[...] = part``: a bfloat16/float16 ``part``
-    upcast exactly into the float32/float64 ``out``, summed in ``out``'s dtype: the
-    same bits as numpy's mixed-dtype add, without its per-element cast calls (the
-    16-bit reduction's inner loop)."""
+    """``out += part`` (``add``) or ``out[...] = part``: a narrower ``part``
+    (bfloat16/float16, or float32 into float64) upcast exactly into ``out``, summed
+    in ``out``'s dtype: the same bits as numpy's mixed-dtype add; the compiled kernel
+    does the 16-bit ones without numpy's per-element cast calls (the 16-bit
+    reduction's inner loop)."""
     if kernel is not None and kernel != KERNEL:
         kernel = _choose_kernel(kernel)
-    if (kernel or KERNEL) == "c" and out.flags.c_contiguous and part.flags.c_contiguous:
+    c_path = (kernel or KERNEL) == "c" and part.dtype.itemsize == 2
+    if c_path and out.flags.c_contiguous and part.flags.c_contiguous:
         _kernels.accumulate(out, part.view(np.uint16), _low_kind(part), add,
                             variant=variant or VARIANT)  # fmt: skip
     elif add:

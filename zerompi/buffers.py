@@ -3,27 +3,26 @@
 One small interface (:class:`BufferPool`) hands out named, category-tagged numpy
 arrays and reports the bytes it holds per category. Keeping allocation in one
 place is what makes ``memory_usage()`` exact rather than estimated, and is the seam
-where buffers go into node-shared memory (``shared=``, :mod:`zerompi.mpi.shm`), so
-that ranks on one node reduce through memory instead of messages.
+where buffers go into node-shared memory (:class:`Placement`, :mod:`zerompi.mpi.shm`),
+so that ranks on one node reduce through memory instead of messages.
+
+What a buffer holds is a :class:`Kind`, which carries its memory category, whether
+initialization writes it, and how it is placed when the stage's plan puts it in node
+memory (:func:`zerompi.plan.buffer_plan` says which kinds go there). This module
+knows nothing of stages or plans.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from .adam import BLOCK
-from .precision import Precision, is_half
-
 if TYPE_CHECKING:
     from .mpi.collectives import Comm
-    from .mpi.nodes import Nodes
     from .mpi.shm import SharedSegment
-    from .partition import Layout
-    from .plan import StagePlan
 
 #: Byte alignment of every buffer: a cache line, and enough for any SIMD kernel.
 ALIGNMENT = 64
@@ -40,15 +39,65 @@ CATEGORIES = (
 )
 
 
+class Placement(Enum):
+    """Where a buffer's memory is."""
+
+    #: This rank's own memory.
+    PRIVATE = "private"
+    #: Node shared memory, one part per rank of the node, each rank reading its
+    #: peers' parts (the gradients a node sums within itself).
+    NODE_PARTS = "node parts"
+    #: Node shared memory, one array that every rank of the node maps (the node's
+    #: one copy of the parameters, or of stage 3's gathered layers).
+    NODE_COPY = "node copy"
+
+
+class Kind(Enum):
+    """What a buffer holds: its pool name, its memory category, how it is placed
+    in node memory, and whether initialization writes it (its pages are touched
+    then; every other buffer's after the initial values are in)."""
+
+    PARAMS = ("params", "parameter_partitions", Placement.NODE_COPY, True)
+    PARAMS_LOW = ("params_low", "parameter_partitions", Placement.PRIVATE, True)
+    MASTER = ("master", "parameter_partitions", Placement.PRIVATE, True)
+    GRADS = ("grads", "gradient_partitions", Placement.NODE_PARTS, False)
+    GRADS_REDUCED = ("grads_reduced", "gradient_partitions", Placement.PRIVATE, False)
+    GRAD_NODE = ("grad_node", "communication_buffers", Placement.PRIVATE, False)
+    GRAD_BUCKET = ("grad_bucket", "communication_buffers", Placement.NODE_PARTS, False)
+    GRAD_RECV = ("grad_recv", "communication_buffers", Placement.PRIVATE, False)
+    GRADS_FULL = ("grads_full", "communication_buffers", Placement.PRIVATE, False)
+    PARAM_BUCKET = ("param_bucket", "communication_buffers", Placement.NODE_COPY, False)
+    EXP_AVG = ("exp_avg", "optimizer_states", Placement.PRIVATE, False)
+    EXP_AVG_SQ = ("exp_avg_sq", "optimizer_states", Placement.PRIVATE, False)
+    SCRATCH = ("scratch", "scratch", Placement.PRIVATE, False)
+    SNAPSHOT_OWN = ("snapshot_own", "snapshots", Placement.PRIVATE, False)
+    SNAPSHOT_HELD = ("snapshot_held", "snapshots", Placement.PRIVATE, False)
+    SNAPSHOT_NEXT = ("snapshot_next", "snapshots", Placement.PRIVATE, False)
+
+    def __init__(self, label: str, category: str, shared: Placement, initialized: bool) -> None:
+        #: The pool name's prefix (``"grad_bucket"``).
+        self.label = label
+        #: One of :data:`CATEGORIES`.
+        self.category = category
+        #: Its placement when the plan puts it in node memory.
+        self.shared = shared
+        #: Whether initialization writes it (the parameters, in every form).
+        self.initialized = initialized
+
+
 class PlannedBuffer(NamedTuple):
     """One buffer of an optimizer's plan: ``count`` elements of ``dtype``, for the
-    parameters whose master dtype is ``group`` (``None``: ``dtype``)."""
+    parameters whose master dtype is ``group`` (``None``: ``dtype``), placed so."""
 
-    kind: str  # what it holds: "params", "grads", "exp_avg", ...
+    kind: Kind
     dtype: np.dtype
     count: int
-    category: str  # one of CATEGORIES
     group: np.dtype | None = None
+    placement: Placement = Placement.PRIVATE
+
+    @property
+    def category(self) -> str:
+        return self.kind.category
 
     @property
     def master(self) -> np.dtype:
@@ -60,158 +109,12 @@ class PlannedBuffer(NamedTuple):
         """The pool name, e.g. ``"grad_bucket.float32"`` (``"params.float32.bfloat16"``
         for bfloat16 copies of float32 parameters)."""
         if self.master == self.dtype:
-            return f"{self.kind}.{self.dtype.name}"
-        return f"{self.kind}.{self.master.name}.{self.dtype.name}"
+            return f"{self.kind.label}.{self.dtype.name}"
+        return f"{self.kind.label}.{self.master.name}.{self.dtype.name}"
 
     @property
     def nbytes(self) -> int:
         return self.count * self.dtype.itemsize
-
-
-#: Staging slots of stages 2-3 with ``overlap``: one bucket is reduced while the next
-#: one's gradients are being added.
-OVERLAP_SLOTS = 2
-
-def gather_slots(overlap: bool) -> int:
-    """Stage 3's gather buffers: two with ``overlap`` (the next layer's gather moves
-    while the model uses the current one, :mod:`zerompi.prefetch`), else one."""
-    return 2 if overlap else 1
-
-
-#: Stage 0-1 reductions in flight at once in ``step()`` (:mod:`zerompi.reducer`):
-#: bucket i+2 starts when bucket i is complete. Starting all of them at once measured
-#: as slow as one collective on the whole buffer (2.5x slower than bucket by bucket at
-#: 64M parameters): MPICH works on all of them together and the working set leaves
-#: the cache. Also the receive regions a 16-bit reduction of stages 0-1 needs.
-REDUCE_WINDOW = 2
-
-
-def buffer_plan(
-    layout: Layout, stage: int, overlap: bool = True,
-    precisions: Mapping[np.dtype, Precision] | None = None, shared_memory: bool = False,
-    region: Sequence[int] | None = None,
-) -> list[PlannedBuffer]:  # fmt: skip
-    """Every buffer a ``ZeroOptimizer`` of ``stage`` allocates at construction on the
-    rank of ``layout``, in allocation order: the one description that the optimizer
-    allocates from and :mod:`zerompi.memory` estimates from. With ``shared_memory``
-    the parameters of stages 1-2 (and of stage 3 on one node, ``region`` ``None``)
-    are one copy per node (``node_kinds`` of :func:`zerompi.plan.stage_plan`), and
-    stages 1-3 reduce within a node through node shared memory (the staging buckets
-    of 2-3; stage 1's full gradient buffers, unless 16-bit); over
-    several nodes ``region`` (the ranks whose shards this rank sums within its node,
-    :attr:`zerompi.mpi.nodes.Nodes.peers`) sizes the buffer of those sums, one per
-    staging slot (stage 1: per reduction in flight), that the cross-node
-    reduce-scatter sends.
-
-    Per master dtype ``M`` (the arrays' own), with ``P``/``R`` the parameter and
-    reduce dtypes (:mod:`zerompi.precision`; ``M`` by default): the parameters the
-    model reads in ``P`` (full in stages 0-2; in 3 the shard, kept in ``M``, plus its
-    ``P`` copy when ``P`` differs); the master copy in ``M`` when ``P`` differs (all
-    of it in stage 0, the shard in 1-2); the gradients the model adds into, in ``R``
-    (full in 0-1; 2-3 stage them in buckets, two with ``overlap``, else one); the
-    reduced gradient in ``M`` (the shard in 2-3, and in 0-1 when ``R`` differs: the
-    shard in 1, all in 0); where ``R`` is 16-bit and the reduction goes through MPI,
-    a receive buffer per staging bucket for every rank's part; one bucket of
-    parameter gathering in ``P`` per gather slot (3: two with ``overlap``); the two
-    Adam moments in ``M`` over what Adam runs on (everything in stage 0, the shard
-    otherwise) and the Adam kernel's scratch block.
-    """
-    plan: list[PlannedBuffer] = []
-    # Stage 3 shards the parameters, except on one node with shared memory (no region
-    # across nodes): there the node's one copy is what the shards would add up to.
-    sharded = stage == 3 and not (shared_memory and region is None)
-    # Over several nodes the node's sums of this rank's region go across nodes.
-    node_sums = shared_memory and region is not None and len(region) > 1
-    low_any = any(p.low_grads for p in (precisions or {}).values())
-
-    def widest(dtype: np.dtype) -> int:  # elements of the widest region of a bucket
-        return max(
-            (sum(b.counts[r] for r in region or ()) for b in layout.buckets if b.dtype == dtype),
-            default=0,
-        )
-
-    for dtype, size in layout.sizes.items():
-        prec = precisions[dtype] if precisions else Precision(dtype, dtype, dtype)
-        p_dt, r_dt = prec.param, prec.reduce
-        shard = layout.shard_sizes[dtype]
-        local = size if stage == 0 else shard  # what Adam runs on
-        slots = OVERLAP_SLOTS if overlap else 1
-
-        def add(kind: str, dt: np.dtype, count: int, category: str, g: np.dtype = dtype) -> None:
-            plan.append(PlannedBuffer(kind, dt, count, category, g))
-
-        if sharded:
-            add("params", dtype, shard, "parameter_partitions")
-            if prec.low_params:
-                add("params_low", p_dt, shard, "parameter_partitions")
-        else:
-            add("params", p_dt, size, "parameter_partitions")
-            if prec.low_params:
-                add("master", dtype, local, "parameter_partitions")
-        if stage <= 1:
-            add("grads", r_dt, size, "gradient_partitions")
-            if prec.low_grads:
-                add("grads_reduced", dtype, local, "gradient_partitions")
-            elif stage == 1 and node_sums and not low_any:  # node sums, per window slot
-                add("grad_node", dtype, widest(dtype) * REDUCE_WINDOW, "communication_buffers")
-        else:
-            add("grads", dtype, shard, "gradient_partitions")
-            add("grad_bucket", r_dt, layout.max_bucket(dtype) * slots, "communication_buffers")
-            if node_sums:
-                add("grad_node", dtype, widest(dtype) * slots, "communication_buffers")
-        if is_half(r_dt) and not (shared_memory and stage >= 2):
-            parts = (slots if stage >= 2 else REDUCE_WINDOW) * layout.world_size
-            add("grad_recv", r_dt, parts * layout.max_part(dtype), "communication_buffers")
-        if sharded:
-            add("param_bucket", p_dt, layout.max_bucket(dtype) * gather_slots(overlap),
-                "communication_buffers")  # fmt: skip
-        for kind in ("exp_avg", "exp_avg_sq"):
-            add(kind, dtype, local, "optimizer_states")
-        add("scratch", dtype, min(BLOCK, max(local, 1)), "scratch")
-    return plan
-
-
-#: A planned buffer, the node communicator it is shared over (``None``: private) and
-#: whether each rank has a part of it (else it is the node's one copy).
-Placed = tuple[PlannedBuffer, "Comm | None", bool]
-
-
-def placed_plan(
-    layout: Layout, stage: int, overlap: bool, precisions: Mapping[np.dtype, Precision],
-    plan: StagePlan, shared: bool, nodes: Nodes,
-) -> list[Placed]:  # fmt: skip
-    """:func:`buffer_plan` with where each buffer lives: in node shared memory (the
-    plan's ``shared_kinds``: a part per rank; ``node_kinds``: one copy per node) or
-    in this rank's own memory."""
-    region = nodes.peers if shared and nodes.count > 1 else None
-    bufs = buffer_plan(layout, stage, overlap, precisions, shared, region)
-    node = nodes.node if shared else None
-    return [
-        (b, node if b.kind in plan.shared_kinds + plan.node_kinds else None,
-         b.kind not in plan.node_kinds)
-        for b in bufs if plan.layer_buffers or b.kind != "param_bucket"
-    ]  # fmt: skip
-
-
-def full_grads_plan(
-    layout: Layout, precisions: Mapping[np.dtype, Precision] | None = None,
-    shared_memory: bool = False,
-) -> list[PlannedBuffer]:  # fmt: skip
-    """The full-size gradient buffers (in the reduce dtype) a stage-2 optimizer adds
-    the first time ``opt.grads`` is used (the non-streamed hand-over; see
-    ``ZeroOptimizer.grads``), and, for 16-bit gradients where the staging buckets
-    reduce through shared memory (so :func:`buffer_plan` has none), one receive
-    region for their reduction over MPI."""
-    reduce = {d: precisions[d].reduce if precisions else d for d in layout.sizes}
-    plan = [
-        PlannedBuffer("grads_full", reduce[dtype], size, "communication_buffers", dtype)
-        for dtype, size in layout.sizes.items()
-    ]
-    for d in layout.sizes if shared_memory else ():
-        if is_half(reduce[d]):
-            count = layout.world_size * layout.max_part(d)
-            plan.append(PlannedBuffer("grad_recv", reduce[d], count, "communication_buffers", d))
-    return plan
 
 
 def node_share(nbytes: int, ranks: int, local: int) -> int:
@@ -230,9 +133,8 @@ def aligned_empty(count: int, dtype: np.dtype | type) -> np.ndarray:
     return raw[shift : shift + nbytes].view(dtype)
 
 
-#: The buffer kinds that initialization writes (the parameters, in every form); the
-#: others' pages are touched after it (:meth:`BufferPool.touch`).
-INITIALIZED = ("params", "master", "params_low")
+#: Buffers by kind, then by the master dtype of the parameters they serve.
+Stores = dict[Kind, dict[np.dtype, np.ndarray]]
 
 
 class BufferPool:
@@ -246,6 +148,17 @@ class BufferPool:
         self.segments: dict[str, SharedSegment] = {}
         #: Private buffers allocated with ``touch=False``, zero-filled by :meth:`touch`.
         self._untouched: list[np.ndarray] = []
+
+    def allocate(self, buf: PlannedBuffer, node: Comm | None = None) -> np.ndarray:
+        """Collective over ``node`` where ``buf`` is placed in node memory: the
+        zero-filled array of planned buffer ``buf`` (see :meth:`zeros`). A private
+        buffer that initialization does not write is held (touched) only at
+        :meth:`touch`."""
+        shared = node if buf.placement is not Placement.PRIVATE else None
+        return self.zeros(
+            buf.name, buf.count, buf.dtype, buf.category, shared,
+            per_rank=buf.placement is not Placement.NODE_COPY, touch=buf.kind.initialized,
+        )  # fmt: skip
 
     def zeros(
         self,
@@ -302,10 +215,6 @@ class BufferPool:
         for segment in self.segments.values():
             segment.release()
         self.segments = {}
-
-    def free(self, name: str) -> None:
-        """Drop the pool's reference to buffer ``name``."""
-        del self._buffers[name]
 
     def usage(self) -> dict[str, int]:
         """Bytes held per category by this rank (every category present, zero if

@@ -24,13 +24,12 @@ Pure numpy here; the MPI calls are in :mod:`zerompi.mpi.ulfm`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .buffers import PlannedBuffer
-from .partition import Deferred
+from .buffers import Kind, PlannedBuffer
 from .plan import STATE_KINDS
 
 if TYPE_CHECKING:
@@ -40,7 +39,7 @@ if TYPE_CHECKING:
 #: loss scale's good steps (float64; 8 slots, 64 bytes, so pieces stay aligned).
 META = 8
 #: The three snapshot buffers (bytes): own, held (the source's), next (in flight).
-SLOTS = ("snapshot_own", "snapshot_held", "snapshot_next")
+SLOTS = (Kind.SNAPSHOT_OWN, Kind.SNAPSHOT_HELD, Kind.SNAPSHOT_NEXT)
 
 
 class RankLost(RuntimeError):
@@ -77,18 +76,52 @@ class RankLost(RuntimeError):
                 "seconds": self.seconds}  # fmt: skip
 
 
-def _never() -> np.ndarray:
-    raise RuntimeError("the parameters of a recovery are filled from the snapshots")
+# -- whether this job can be elastic ------------------------------------------------------
 
 
-def restored(shape: tuple[int, ...], dtype: np.dtype) -> Deferred:
-    """A parameter of an optimizer rebuilt by a recovery: described, never initialized
-    (the re-shard writes every element; no broadcast of initial values)."""
-    return Deferred(shape, dtype, _never)
+def check_elastic(elastic: object, every: object, shared_memory: bool | None) -> bool | None:
+    """Check the constructor's ``elastic`` and ``snapshot_every``; the
+    ``shared_memory`` to use (an elastic optimizer never uses node shared memory: a
+    lost rank's mappings and fences cannot be recovered)."""
+    if not isinstance(elastic, bool):
+        raise TypeError(f"elastic must be a bool, got {elastic!r:.60}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"snapshot_every must be an integer >= 1, got {every!r:.60}")
+    if not elastic:
+        return shared_memory
+    from .mpi.ulfm import unavailable
+
+    why = unavailable()
+    if why is not None:
+        raise RuntimeError(why)
+    if shared_memory:
+        raise ValueError(
+            "elastic=True cannot use node shared memory (a lost rank's mappings and fences "
+            "cannot be recovered): pass shared_memory=False or leave it unset"
+        )
+    return False
 
 
-def is_restored(params: Mapping[str, Any]) -> bool:
-    return all(isinstance(v, Deferred) and v.init is _never for v in params.values())
+def elastic_setup(comm: Any) -> None:
+    """An elastic optimizer's communicator returns errors instead of aborting."""
+    import os
+    import warnings
+
+    from .mpi import ULFM_SETTINGS
+    from .mpi.ulfm import prepare
+
+    prepare(comm)
+    missing = {k: v for k, v in ULFM_SETTINGS.items() if os.environ.get(k) != v}
+    if comm.rank == 0 and missing:
+        options = " ".join(f"--mca {k[len('OMPI_MCA_'):]} {v}" for k, v in missing.items())
+        warnings.warn(
+            f"zerompi: elastic=True without {missing}: MPI was initialised before zerompi "
+            "was imported, or they were set otherwise. Open MPI 5.0.x then may return "
+            "garbage from a collective whose peer died (coll/han) or hang in MPI_Finalize "
+            f"after a lost rank: import zerompi first, or launch with `mpiexec --with-ft "
+            f"ulfm {options}`",
+            stacklevel=4,
+        )
 
 
 # -- layout of a snapshot -------------------------------------------------------------
@@ -96,13 +129,14 @@ def is_restored(params: Mapping[str, Any]) -> bool:
 
 def pieces(layout: Layout, rank: int) -> list[tuple[str, int, int, np.dtype]]:
     """``(section, first global element, count, dtype)`` of every piece of ``rank``'s
-    shard state, in the order of ``ZeroOptimizer.state_shards()`` (any rank, any
+    shard state, in the order of :func:`zerompi.state.state_shards` (any rank, any
     world size of ``layout``'s buckets)."""
     out = []
     for kind in STATE_KINDS:
         for bucket in layout.buckets:
             lo, hi = bucket.local(rank)
-            out.append((f"{kind}.{bucket.dtype.name}", bucket.start + lo, hi - lo, bucket.dtype))
+            section = f"{kind.label}.{bucket.dtype.name}"
+            out.append((section, bucket.start + lo, hi - lo, bucket.dtype))
     return out
 
 
@@ -142,8 +176,8 @@ def snapshot_plan(layout: Layout, rank: int, source: int) -> list[PlannedBuffer]
     3 x the shard state, plus 64 bytes of counters per buffer."""
     u8 = np.dtype(np.uint8)
     own, theirs = snapshot_bytes(layout, rank), snapshot_bytes(layout, source)
-    return [PlannedBuffer(kind, u8, n, "snapshots")
-            for kind, n in zip(SLOTS, (own, theirs, theirs), strict=True)]  # fmt: skip
+    sizes = (own, theirs, theirs)
+    return [PlannedBuffer(kind, u8, n) for kind, n in zip(SLOTS, sizes, strict=True)]
 
 
 def typed_views(
@@ -171,17 +205,17 @@ class NoSnapshots:
     def commit(self) -> None:
         pass
 
-    def after_step(self, opt: Any) -> None:
+    def after_step(self, engine: Any) -> None:
         pass
 
-    def restart(self, opt: Any) -> None:
+    def restart(self, engine: Any) -> None:
         pass
 
 
 class Snapshots:
     """This rank's snapshot buffers and the exchange in flight (see the module
-    docstring). ``live``: views of the optimizer's shard state, in
-    :func:`pieces` order; ``stores``: the three buffers from the optimizer's pool."""
+    docstring). ``live``: views of the engine's shard state, in :func:`pieces`
+    order; ``stores``: the three buffers (:data:`SLOTS`, by label) from its pool."""
 
     def __init__(
         self, every: int, comm: Any, layout: Layout, live: Sequence[np.ndarray],
@@ -191,22 +225,23 @@ class Snapshots:
         self.buddy, self.source = buddy, source
         self.mine, self.theirs = pieces(layout, comm.rank), pieces(layout, source)
         self.live = list(live)
-        self.own = typed_views(stores["snapshot_own"], self.mine)
-        self.held = typed_views(stores["snapshot_held"], self.theirs)
-        self.next = typed_views(stores["snapshot_next"], self.theirs)
+        own, held, next_ = (stores[kind.label] for kind in SLOTS)
+        self.own = typed_views(own, self.mine)
+        self.held = typed_views(held, self.theirs)
+        self.next = typed_views(next_, self.theirs)
         self.meta_out = np.zeros(META)  # the counters of the snapshot in flight
         self.exchange = exchange
         #: Batches seen at the last committed snapshot (-1: none) and at the one in
         #: flight (-1: none).
         self.committed, self.pending = -1, -1
 
-    def post(self, opt: Any) -> None:
+    def post(self, engine: Any) -> None:
         """Send this rank's live state to its buddy and receive its source's: the
-        snapshot after ``opt``'s current batch, committed at the next agreement."""
+        snapshot after the engine's current batch, committed at the next agreement."""
         self.settle()
-        scaler = opt.scaler
+        scaler = engine.scaler
         self.meta_out[:5] = (
-            opt.step_count + opt.skipped_steps, opt.step_count, opt.skipped_steps,
+            engine.step_count + engine.skipped_steps, engine.step_count, engine.skipped_steps,
             1.0 if scaler is None else scaler.scale, 0 if scaler is None else scaler.good_steps,
         )  # fmt: skip
         self.exchange.start([self.meta_out, *self.live], self.buddy, self.next, self.source)
@@ -228,16 +263,16 @@ class Snapshots:
         self.held, self.next = self.next, self.held
         self.committed, self.pending = self.pending, -1
 
-    def after_step(self, opt: Any) -> None:
+    def after_step(self, engine: Any) -> None:
         """After a step (taken or skipped): post a snapshot every ``every`` batches."""
-        if (opt.step_count + opt.skipped_steps) % self.every == 0:
-            self.post(opt)
+        if (engine.step_count + engine.skipped_steps) % self.every == 0:
+            self.post(engine)
 
-    def restart(self, opt: Any) -> None:
+    def restart(self, engine: Any) -> None:
         """The state was replaced (a load, a recovery): snapshot it now."""
         self.settle()
         self.pending = -1
-        self.post(opt)
+        self.post(engine)
 
     def status(self) -> tuple[int, int, int, bool]:
         """What recovery needs from this rank: ``(old rank, committed, pending,

@@ -1,35 +1,46 @@
-"""The hand-over API of :class:`zerompi.optimizer.ZeroOptimizer`: where the model
-reads its parameters and adds its gradients, layer by layer.
+"""Where the model reads its parameters: one access strategy per engine, chosen from
+the plan (:class:`zerompi.plan.Access`), and the blocks it hands out.
 
-``opt.params`` / ``opt.grads`` (stages 0-2; full views) and the blocks
-``with opt.gathered(*names) as p`` (stage 3 gathers the layer's bucket) and
-``with opt.gradients(*names) as g`` (stages 2-3 start reducing a bucket as soon as all
-of it was handed over). Per call the cost is O(1) in the size of the model: name
-lookups, prepared collectives and the views handed out are made once per bucket.
+* :class:`Resident` (stages 0-2): every rank holds every parameter; ``opt.params``
+  and ``opt.gathered`` are persistent views of them.
+* :class:`NodeCopy` (stage 3 on one node with node memory): the node's one copy is
+  read in place, one layer at a time, recorded in the step's fingerprint as the
+  gather it replaces (so ranks that read different layers fail the step alike on one
+  node or many).
+* :class:`Gathered` (stage 3): ``opt.gathered`` gathers the layer's bucket into one of
+  zerompi's gather buffers (:mod:`zerompi.prefetch`: the next one started ahead).
+* :class:`CallerGathers` (stage 3 without gather buffers): the caller gathers into
+  its own memory with ``opt.gather_into`` (the torch adapter).
+
+Per call the cost is O(1) in the size of the model: name lookups (:class:`Names`)
+and the views handed out are made once per bucket. The gradient side (``opt.grads``,
+``opt.gradients``) is :mod:`zerompi.reducer`'s.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .arrays import FlatArrays
-from .buffers import OVERLAP_SLOTS, full_grads_plan, gather_slots
-from .prefetch import LayerGather
-from .reducer import StreamReducer
 
 if TYPE_CHECKING:
-    from .buffers import BufferPool
+    from .mpi.collectives import Comm
     from .partition import Layout
-    from .plan import Part, StagePlan
+    from .prefetch import LayerGather
+    from .timings import Phase
 
 #: ``ZEROMPI_DEBUG=1``: fill a stage-3 gather buffer with NaN when its block ends, so
 #: an array kept past its ``gathered`` block shows NaN instead of the next layer.
 DEBUG = os.environ.get("ZEROMPI_DEBUG", "") not in ("", "0")
+
+#: A lookup's result: the bucket of some names (-1 if they span several), their
+#: parameter names, and whether they are all of the bucket's parameters.
+Found = tuple[int, list[str], bool]
+
 
 class Block:
     """What ``with opt.gathered(...)`` / ``with opt.gradients(...)`` enter: the arrays
@@ -55,71 +66,33 @@ class Block:
             self.on_exit(self.arg)
 
 
+class Names:
+    """Parameter and group names of a layout, looked up once and cached: the
+    hand-over of a layer costs O(1), not O(model)."""
 
-class HandOver:
-    """``params``, ``grads``, ``gathered``, ``gradients`` (a mixin of ZeroOptimizer)."""
+    def __init__(self, layout: Layout, order: Sequence[str]) -> None:
+        self.layout = layout
+        #: Parameter names in the model's order (the mapping's).
+        self.order = list(order)
+        self.specs = {spec.name: spec for spec in layout.params}
+        self._found: dict[tuple[str, ...], Found] = {}
 
-    comm: Any
-    overlap: bool
-    layout: Layout
-    plan: StagePlan
-    pool: BufferPool
-    parts: list[Part]
-    reducer: Any
-    stage: int
-    timings: dict[str, float]
-    _order: list[str]
-    _specs: dict[str, Any]
-    _params: FlatArrays
-    _grads: FlatArrays
-    _gathered: tuple[int, int] | None
-    _gather_blocks: list[list[Block | None]]
-    _staging_blocks: list[list[Block | None]]
-    _lookups: dict[tuple[str, ...], tuple[int, list[str], bool]]
-    _closed: bool
-    precisions: dict[np.dtype, Any]
-    shared_memory: bool
-    nodes: Any
+    def find(self, names: tuple[str, ...]) -> Found:
+        """The bucket of ``names`` (parameter or group names), cached."""
+        found = self._found.get(names)
+        if found is None:
+            resolved = self.resolve(names)
+            indices = {self.layout.bucket_of[n] for n in resolved}
+            index = indices.pop() if len(indices) == 1 else -1
+            whole = index >= 0 and set(resolved) == set(self.layout.buckets[index].names)
+            found = self._found[names] = (index, resolved, whole)
+        return found
 
-    def _prepare_handover(self, stores: Mapping[str, Mapping[np.dtype, np.ndarray]]) -> None:
-        """What makes a hand-over O(1): name lookups and the views handed out, cached
-        per bucket as they are first used, and stage 3's gather buffer views with
-        their prepared ``Allgatherv`` (collective: made in bucket order on every
-        rank)."""
-        layout, comm = self.layout, self.comm
-        n = len(layout.buckets)
-        self._lookups = {}
-        slots = 1 if self.plan.full_grads else OVERLAP_SLOTS if self.overlap else 1
-        self._staging_blocks = [[None] * n for _ in range(slots)]
-        self.layers: LayerGather | None = None
-        if not self.plan.full_params and self.plan.layer_buffers:  # shard -> buffer
-            self.layers = LayerGather(
-                comm, layout, stores["param_bucket"], gather_slots(self.overlap),
-                self._gather_source,
-                self.nodes if "param_bucket" in self.plan.node_kinds else None,
-            )  # fmt: skip
-            self._gather_blocks = [[None] * n for _ in range(self.layers.slots)]
-
-    def _gather_source(self, index: int) -> np.ndarray:
-        """What stage 3 gathers bucket ``index`` from: this rank's shard, or its
-        rounded copy with a narrower ``param_dtype``."""
-        part = self.parts[index]
-        return part.param if part.low is None else part.low
-
-    def _view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
-        spec = self._specs[name]
-        return flat[spec.dtype][spec.offset : spec.offset + spec.size].reshape(spec.shape)
-
-    def _bucket_view(self, buf: np.ndarray, bucket: object, name: str) -> np.ndarray:
-        spec = self._specs[name]
-        lo = spec.offset - bucket.start  # type: ignore[attr-defined]
-        return buf[lo : lo + spec.size].reshape(spec.shape)
-
-    def _resolve(self, names: tuple[str, ...]) -> list[str]:
+    def resolve(self, names: Sequence[str]) -> list[str]:
         """Parameter names for a mix of parameter and group names."""
         out: list[str] = []
         for name in names:
-            if name in self._specs:
+            if name in self.specs:
                 out.append(name)
             elif name in self.layout.groups:
                 out.extend(self.layout.groups[name])
@@ -127,212 +100,175 @@ class HandOver:
                 raise KeyError(f"{name!r} is neither a parameter nor a group of this model")
         return out
 
-    def _single_bucket(self, names: list[str], what: str) -> int:
-        bucket_of = self.layout.bucket_of
-        index = bucket_of[names[0]]
-        if any(bucket_of[n] != index for n in names):
-            count = len({bucket_of[n] for n in names})
-            raise ValueError(
-                f"opt.{what}() takes the parameters of one bucket at a time in stage "
-                f"{self.stage}; {names} span {count} buckets"
-            )
-        return index
+    def view(self, flat: Mapping[np.dtype, np.ndarray], name: str) -> np.ndarray:
+        """Parameter ``name``'s view of the full flat buffers ``flat`` (by dtype)."""
+        spec = self.specs[name]
+        return flat[spec.dtype][spec.offset : spec.offset + spec.size].reshape(spec.shape)
 
-    def _live(self, what: str) -> None:
-        """Refuse training calls after ``close()``, before touching any state."""
-        if self._closed:
-            raise RuntimeError(
-                f"opt.{what}() after close(): this optimizer was closed (its staging and "
-                "shared-memory buffers are released); its parameters can still be read "
-                "and saved, not trained"
-            )
+    def flat_arrays(self, flat: Mapping[np.dtype, np.ndarray], what: str,
+                    read_only: bool = False) -> FlatArrays:  # fmt: skip
+        """Every parameter's view of ``flat``, in the model's order."""
+        return FlatArrays({n: self.view(flat, n) for n in self.order}, what, read_only)
+
+    def bucket_view(self, buf: np.ndarray, index: int, name: str) -> np.ndarray:
+        """Parameter ``name``'s view of ``buf``, a buffer of bucket ``index``'s size."""
+        spec = self.specs[name]
+        lo = spec.offset - self.layout.buckets[index].start
+        return buf[lo : lo + spec.size].reshape(spec.shape)
+
+    def views(self, buf: np.ndarray, index: int, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Name -> view of ``buf`` (bucket ``index``'s buffer) for ``names``."""
+        return {n: self.bucket_view(buf, index, n) for n in names}
+
+
+def single_bucket(layout: Layout, names: list[str], what: str, in_stage: int) -> None:
+    """Refuse ``names`` that span several buckets (stage 3's gathers and stages 2-3's
+    hand-overs take one bucket at a time)."""
+    count = len({layout.bucket_of[n] for n in names})
+    raise ValueError(
+        f"opt.{what}() takes the parameters of one bucket at a time in stage "
+        f"{in_stage}; {names} span {count} buckets"
+    )
+
+
+_NO_PARAMS = (
+    "stage 3 keeps only parameter shards: read parameters inside "
+    "`with opt.gathered(names) as p`, or copy them all with opt.full_params()"
+)
+
+
+class Resident:
+    """Stages 0-2: ``params`` are persistent views of the full parameters (the node's
+    copy with node memory: a write through them is what every rank of the node reads)."""
+
+    #: The block open now, as ``(bucket, slot)`` (stage 3 only; ``None``: none).
+    in_use: tuple[int, int] | None = None
+
+    def __init__(self, params: FlatArrays) -> None:
+        self._params = params
 
     @property
     def params(self) -> FlatArrays:
-        """Name -> full parameter (a view into the flat buffer). Stages 0-2 only."""
-        if self.stage == 3:  # (on one node they are the node's copy: still read them
-            raise AttributeError(  # by layer, as on any number of nodes)
-                "stage 3 keeps only parameter shards: read parameters inside "
-                "`with opt.gathered(names) as p`, or copy them all with opt.full_params()"
-            )
         return self._params
 
     @property
-    def grads(self) -> FlatArrays:
-        """Name -> full-size gradient view to add into. Stages 0-2; in stage 2 this
-        allocates a full staging buffer on first use, which must come before the first
-        ``accumulate()``/``step()`` on that rank: the ranks agree once, then, whether
-        to reduce it (hand gradients over with ``opt.gradients(names)`` instead to
-        keep them at ``1/W``)."""
-        if self.stage == 3:
-            raise AttributeError(
-                "stage 3 has no full gradient: add gradients inside "
-                "`with opt.gradients(names) as g`"
-            )
-        if self.stage == 2 and self.reducer.full is None:  # type: ignore[union-attr]
-            reducer = self.reducer
-            assert isinstance(reducer, StreamReducer)
-            if reducer.full_mode is False:
-                raise RuntimeError(
-                    "stage 2: opt.grads used for the first time after the first "
-                    "accumulate()/step(): the ranks agreed then not to reduce full "
-                    "gradients. Touch opt.grads before the first step on any rank that "
-                    "uses it, or hand gradients over with opt.gradients(names)"
-                )
-            reducer.full = self._full_grads()
-        return self._grads
+    def resident(self) -> FlatArrays | None:
+        """The full parameters where this rank holds all of them all the time."""
+        return self._params
 
-    def _full_grads(self) -> dict[np.dtype, np.ndarray]:
-        """Stage 2's full gradient buffers (``opt.grads``), allocated on first use."""
-        full, recv = {}, {}
-        for buf in full_grads_plan(self.layout, self.precisions, self.shared_memory):
-            store = full if buf.kind == "grads_full" else recv
-            store[buf.master] = self.pool.zeros(buf.name, buf.count, buf.dtype, buf.category)
-        if recv:  # their reduction's receive region (shared memory has no other)
-            self.reducer.use_recv(recv)
-        self._grads = FlatArrays({n: self._view(full, n) for n in self._order}, "gradient")
-        return full
+    def gathered(self, found: Found) -> Block:
+        _, names, _ = found
+        return Block({n: self._params[n] for n in names})
 
-    def gathered(self, *names: str) -> Block:
-        """``with opt.gathered(*names) as p``: the full parameters ``names`` (parameter
-        or group names) for the duration of the block. Stage 3 gathers their bucket
-        with ``Allgatherv`` into the gather buffer (collective: every rank must enter
-        it) and releases it on exit; the arrays must not be used after the block
-        (``ZEROMPI_DEBUG=1`` fills them with NaN on exit). Stages 0-2: the persistent
-        views."""
-        if self._closed:
-            self._live("gathered")
-        index, resolved, whole = self._lookup(names, "gathered")
-        if self.stage < 3:
-            return Block({n: self._params[n] for n in resolved})
-        if self._gathered is not None:
-            raise RuntimeError(
-                "opt.gathered() blocks cannot nest in stage 3: one layer's parameters are "
-                "gathered at a time"
-            )
+    def finish(self, step: bool = True) -> None:
+        """Before the shards change or the buffers go: nothing is in flight here."""
+
+
+class NodeCopy(Resident):
+    """Stage 3 on one node: the node's one copy, read in place, one layer at a time
+    (the rules of stage 3 apply; an array kept after its block shows the current
+    values, and ``ZEROMPI_DEBUG=1`` cannot poison a buffer the node shares)."""
+
+    def __init__(self, params: FlatArrays, comm: Comm, layout: Layout) -> None:
+        super().__init__(params)
+        self.comm, self.layout = comm, layout
+        self.in_use = None
+
+    @property
+    def params(self) -> FlatArrays:
+        raise AttributeError(_NO_PARAMS)
+
+    def gathered(self, found: Found) -> Block:
+        index, names, _ = found
+        _one_at_a_time(self.in_use)
         if index < 0:
-            self._single_bucket(resolved, "gathered")  # raises: one bucket at a time
-        if self.plan.full_params:  # one node: its copy, in place (the same rules apply,
-            # and the read is recorded as the gather it replaces: ranks that read
-            # different layers fail the step alike on one node or many)
-            self.comm.record_shared("allgatherv", index, self.layout.buckets[index].size)
-            self._gathered = (index, 0)
-            return Block({n: self._params[n] for n in resolved}, always=self._release_gathered)
-        layers = self.layers
-        if layers is None:
-            raise RuntimeError(
-                "opt.gathered(): this optimizer has no gather buffers (gather_buffers="
-                "False): its owner gathers with opt.gather_into()"
-            )
-        start = time.perf_counter()
-        slot = layers.gather(index)
-        self.timings["allgather"] += time.perf_counter() - start
-        self._gathered = (index, slot)
-        cache = self._gather_blocks[slot]
+            single_bucket(self.layout, names, "gathered", 3)
+        self.comm.record_shared("allgatherv", index, self.layout.buckets[index].size)
+        self.in_use = (index, 0)
+        return Block({n: self._params[n] for n in names}, always=self.release)
+
+    def release(self) -> None:
+        self.in_use = None
+
+
+def _one_at_a_time(in_use: tuple[int, int] | None) -> None:
+    if in_use is not None:
+        raise RuntimeError(
+            "opt.gathered() blocks cannot nest in stage 3: one layer's parameters are "
+            "gathered at a time"
+        )
+
+
+class Gathered:
+    """Stage 3: a layer's bucket gathered into a gather buffer for the block."""
+
+    resident = None
+
+    def __init__(self, layers: LayerGather, names: Names, timing: Phase) -> None:
+        self.layers, self.names, self.timing = layers, names, timing
+        self.layout = names.layout
+        self.in_use: tuple[int, int] | None = None
+        #: per slot, a whole bucket's cached blocks
+        self.blocks: list[list[Block | None]] = [
+            [None] * len(self.layout.buckets) for _ in range(layers.slots)
+        ]
+
+    @property
+    def params(self) -> FlatArrays:
+        raise AttributeError(_NO_PARAMS)
+
+    def gathered(self, found: Found) -> Block:
+        index, names, whole = found
+        _one_at_a_time(self.in_use)
+        if index < 0:
+            single_bucket(self.layout, names, "gathered", 3)
+        with self.timing:
+            slot = self.layers.gather(index)
+        self.in_use = (index, slot)
+        cache = self.blocks[slot]
         block = cache[index] if whole else None
         if block is None:
-            views = self._views(layers.bufs[slot][index], index, resolved)
-            block = Block(views, always=self._release_gathered)
+            views = self.names.views(self.layers.bufs[slot][index], index, names)
+            block = Block(views, always=self.release)
             if whole:
                 cache[index] = block
         return block
 
-    @property
-    def resident_params(self) -> FlatArrays | None:
-        """Name -> full parameter view where this rank holds every parameter all the
-        time (stages 0-2; stage 3 on one node with shared memory: the node's copy),
-        in ``param_dtype``; else ``None`` (stage 3 gathers: :meth:`gather_into`)."""
-        return self._params if self.plan.full_params else None
-
-    def gather_into(self, index: int, out: np.ndarray) -> None:
-        """Collective: bucket ``index``'s full parameters (in ``param_dtype``) into
-        ``out``, memory the caller owns and may free between calls (the torch
-        adapter's per-module storages, :mod:`zerompi.torch._units`). Stage 3 without
-        a node copy; recorded in the step's fingerprint like a ``gathered`` block."""
-        bucket = self.layout.buckets[index]
-        start = time.perf_counter()
-        self.comm.plan_allgatherv(
-            out, bucket.counts, bucket.displs, index, send=self._gather_source(index)
-        ).run()
-        self.timings["allgather"] += time.perf_counter() - start
-
-    def _release_gathered(self) -> None:
+    def release(self) -> None:
         layers = self.layers  # (a node's shared buffer is not this rank's to poison)
-        if DEBUG and self._gathered is not None and layers is not None and layers.node is None:
-            index, slot = self._gathered
-            self.layers.bufs[slot][index].fill(np.nan)
-        self._gathered = None
+        if DEBUG and self.in_use is not None and layers.node is None:
+            index, slot = self.in_use
+            layers.bufs[slot][index].fill(np.nan)
+        self.in_use = None
 
-    def _gathers_done(self, step: bool = True) -> None:
-        """Before the shards change (``step()``'s Adam, a load) or the buffers go:
-        the gather in flight completes; a ``step`` also ends the order's recording
+    def finish(self, step: bool = True) -> None:
+        """The gather in flight completes; a ``step`` also ends the order's recording
         and starts the next step's from the top."""
-        if self.layers is not None:
-            if step:
-                self.layers.end_step()
-            else:
-                self.layers.finish()
+        if step:
+            self.layers.end_step()
+        else:
+            self.layers.finish()
 
-    def gradients(self, *names: str) -> Block:
-        """``with opt.gradients(*names) as g``: arrays to *add* the gradients of
-        ``names`` into. On a normal exit they are handed over: in stages 2-3, once
-        every parameter of a bucket has been handed over in this micro-batch, the
-        bucket is reduce-scattered (collective) and only this rank's shard kept.
-        Stages 0-1: views into the full gradient buffer."""
-        if self._closed:
-            self._live("gradients")
-        index, resolved, whole = self._lookup(names, "gradients")
-        if self.plan.full_grads:
-            return Block({n: self._grads[n] for n in resolved})
-        if index < 0:
-            self._single_bucket(resolved, "gradients")  # raises: one bucket at a time
-        reducer: StreamReducer = self.reducer
-        start = time.perf_counter()
-        buf = reducer.begin(index)
-        self.timings["reduce_scatter"] += time.perf_counter() - start
-        if not whole:
-            views = self._views(buf, index, resolved)
-            return Block(views, self._handed_over, (index, resolved))
-        cache = self._staging_blocks[reducer.slot]
-        block = cache[index]
-        if block is None:
-            views = self._views(buf, index, resolved)
-            block = cache[index] = Block(views, self._handed_over, (index, None))
-        return block
 
-    def fold(self) -> None:
-        """Fold the gradients added so far into the accumulated gradient *without*
-        counting a micro-batch (``accumulate()`` counts one, and the step averages
-        over them): torch's semantics, where the gradients of several ``backward()``
-        calls are summed. Only 16-bit gradients at stages 0-1 are held in a buffer
-        of their own dtype until folded (a collective there; elsewhere nothing to
-        do), so the torch adapter folds after every backward: never summed in 16
-        bits."""
-        if self.plan.full_grads and any(p.low_grads for p in self.precisions.values()):
-            self._live("fold")
-            start = time.perf_counter()
-            self.reducer.end_micro_batch()
-            self.timings["reduce_scatter"] += time.perf_counter() - start
+class CallerGathers:
+    """Stage 3 without gather buffers: the caller gathers with ``opt.gather_into``."""
 
-    def _handed_over(self, handed: tuple[int, list[str] | None]) -> None:
-        start = time.perf_counter()
-        self.reducer.handed_over(*handed)
-        self.timings["reduce_scatter"] += time.perf_counter() - start
+    resident = None
+    in_use = None
 
-    def _views(self, buf: np.ndarray, index: int, names: Sequence[str]) -> dict[str, np.ndarray]:
-        """Name -> view of ``buf`` (bucket ``index``'s buffer) for ``names``."""
-        bucket = self.layout.buckets[index]
-        return {n: self._bucket_view(buf, bucket, n) for n in names}
+    @property
+    def params(self) -> FlatArrays:
+        raise AttributeError(_NO_PARAMS)
 
-    def _lookup(self, names: tuple[str, ...], what: str) -> tuple[int, list[str], bool]:
-        """The bucket of ``names`` (parameter or group names; -1 if they span
-        several), their parameter names, and whether they are all of the bucket's:
-        cached, so the hand-over of a layer costs O(1), not O(model)."""
-        found = self._lookups.get(names)
-        if found is None:
-            resolved = self._resolve(names)
-            indices = {self.layout.bucket_of[n] for n in resolved}
-            index = indices.pop() if len(indices) == 1 else -1
-            whole = index >= 0 and set(resolved) == set(self.layout.buckets[index].names)
-            found = self._lookups[names] = (index, resolved, whole)
-        return found
+    def gathered(self, found: Found) -> Block:
+        raise RuntimeError(
+            "opt.gathered(): this optimizer has no gather buffers (gather_buffers="
+            "False): its owner gathers with opt.gather_into()"
+        )
+
+    def finish(self, step: bool = True) -> None:
+        pass
+
+
+#: What the engine holds as its parameter access.
+Access = Resident | NodeCopy | Gathered | CallerGathers

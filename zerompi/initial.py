@@ -17,7 +17,7 @@ import numpy as np
 from .adam import round_low
 from .mpi.collectives import Comm
 from .mpi.nodes import Nodes
-from .partition import Bucket, Deferred, Layout
+from .partition import Deferred, Layout
 from .plan import Part
 
 
@@ -69,7 +69,7 @@ def initialize_by_bucket(
     layout: Layout,
     parts: Sequence[Part],
     params: Mapping[str, np.ndarray | Deferred],
-    bucket_view: Callable[[np.ndarray, Bucket, str], np.ndarray],
+    bucket_view: Callable[[np.ndarray, int, str], np.ndarray],
     nodes: Nodes | None = None,
 ) -> None:
     """Collective: rank 0's initial values, one bucket at a time through a
@@ -81,7 +81,7 @@ def initialize_by_bucket(
     release = Releases(params)
     for i, (bucket, part) in enumerate(zip(layout.buckets, parts, strict=True)):
         buf = temp[bucket.dtype][: bucket.size]
-        initialize(comm, params, bucket.names, lambda n, b=bucket, f=buf: bucket_view(f, b, n))
+        initialize(comm, params, bucket.names, lambda n, i=i, f=buf: bucket_view(f, i, n))
         comm.bcast_inplace(buf, root=0, tag=i)
         release(bucket.names)
         mine = buf[slice(*bucket.local(comm.rank))]

@@ -1,12 +1,10 @@
 """``ZeroOptimizer``: plain data parallelism (stage 0) and ZeRO stages 1-3 over MPI.
 
-The model's parameters are packed into one flat buffer per dtype, cut into buckets
-and sharded with :func:`zerompi.partition.shard_range`. What a stage keeps and moves
-is data (:mod:`zerompi.plan`); ``step()`` is one pipeline for all of them::
-
-    reduce -> agree (statistics + fingerprint) -> skip or clip -> Adam -> gather
-
-Model code reads parameters and hands over gradients layer by layer::
+The front object a training loop holds. Its settings are one :class:`ZeroConfig`
+(:mod:`zerompi.config`); everything it keeps and does is its
+:class:`zerompi.engine.Engine` (``opt.engine``), built once by
+:func:`zerompi.engine.build_engine`. Model code reads parameters and hands over
+gradients layer by layer::
 
     for name in layers:                          # forward
         with opt.gathered(name) as p:            # stage 3 gathers the layer here
@@ -16,53 +14,49 @@ Model code reads parameters and hands over gradients layer by layer::
             d = backward(p, g, d)                # adds into g[...]; stages 2-3 reduce on exit
     opt.step()
 
-``gathered`` / ``gradients`` take parameter names or group names (a group is the
-prefix before the last dot, ``"layer0"`` for ``"layer0.weight"``). In stages 0-2
-``opt.params[name]`` are persistent views of the full parameters, and
-``opt.grads[name]`` full-size gradient views (in stage 2 a full staging buffer is
-allocated the first time ``opt.grads`` is used, which must be before the first
-``accumulate()``/``step()``: the streamed hand-over is what keeps stage 2's
-gradients at ``1/W``).
+Every method that can communicate is guarded (:func:`zerompi.guard.communicates`).
 """
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .adam import AdamConfig, adam_step, sr_key
-from .allocate import Allocation
-from .arrays import check_failure_settings, check_params
-from .elastic import is_restored
-from .handover import HandOver
-from .mpi.agreement import CollectiveError, agree_step
+from . import state
+from . import step as pipeline
+from .arrays import FlatArrays
+from .config import ZeroConfig, settle
+from .engine import Engine, build_engine
+from .guard import communicates, survive
+from .handover import Block, Found
 from .mpi.collectives import Comm
-from .mpi.launch import check_world, install_abort_hook
-from .mpi.nodes import nodes_of
-from .mpi.watchdog import resolve_timeout
-from .partition import DEFAULT_BUCKET_ELEMS, Deferred, default_group, optimizer_layout
-from .plan import choose_shared
-from .precision import precision_settings
-from .recovery import Elastic, check_elastic, elastic_setup
-from .settings import group_configs, settings_token
-from .state import PHASES, OptimizerState
+from .mpi.launch import install_abort_hook
+from .partition import Deferred, Layout
+from .timings import PHASES
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+    from .mpi.nodes import Nodes
+    from .recovery import Recovery
+
 __all__ = ["PHASES", "ZeroOptimizer"]
 
 
-class ZeroOptimizer(Elastic, HandOver, OptimizerState, Allocation):
+class ZeroOptimizer:
     """Sharded Adam/AdamW (stage 0 baseline, ZeRO stages 1-3) over an MPI communicator.
 
-    Building one is collective: the layout (names, order, shapes, dtypes), stage and
-    settings are checked to be identical on every rank, and any error is raised on
-    every rank. Initial parameter values are broadcast from rank 0.
+    ``ZeroOptimizer(params, config=None, *, comm=None, **keywords)``: ``params`` maps
+    names to numpy arrays (or :class:`zerompi.Deferred`); ``config`` is a
+    :class:`ZeroConfig` (default ``ZeroConfig()``) and ``keywords`` its settings by
+    their flat names (``stage=3, lr=3e-3, param_dtype="bfloat16"``; see
+    :meth:`ZeroConfig.replace`), applied over it. Building one is collective: the
+    layout (names, order, shapes, dtypes) and every setting are checked to be
+    identical on every rank, in one exchange, and any error is raised on every rank.
+    Initial parameter values are broadcast from rank 0.
 
     Gradients are *added* (``+=``), like torch's ``.grad``. Each rank's contribution
     is averaged over ranks and over the micro-batches counted by ``accumulate()``;
@@ -71,300 +65,290 @@ class ZeroOptimizer(Elastic, HandOver, OptimizerState, Allocation):
 
     ``step()`` agrees over all ranks, in one small collective, on the number of
     non-finite elements of the averaged gradient, its global L2 norm
-    (``opt.last_grad_norm``, before clipping), the step and micro-batch counts and
-    the fingerprint of the collective calls each rank made since the last step. Ranks
-    that handed over different buckets, or a different number of micro-batches, get
-    a :class:`CollectiveError` on every rank, naming the first call that differs (the
-    step's gradients are discarded, the state is untouched). A non-finite gradient or
-    norm skips the step on every rank alike (``opt.skipped_steps``; with
-    ``nonfinite="raise"`` every rank raises ``FloatingPointError``). With
-    ``max_norm``, gradients are scaled by ``min(1, max_norm / (norm + 1e-6))``,
-    torch's ``clip_grad_norm_``.
+    (``opt.last_grad_norm``, before clipping), the step and micro-batch counts, every
+    parameter group's settings and the fingerprint of the collective calls each rank
+    made since the last step. Ranks that handed over different buckets, or a
+    different number of micro-batches, get a
+    :class:`zerompi.mpi.agreement.CollectiveError` on every rank, naming the first
+    call that differs (the step's gradients are discarded, the state is untouched).
+    A non-finite gradient or norm skips the step on every rank alike
+    (``opt.skipped_steps``; with ``nonfinite="raise"`` every rank raises
+    ``FloatingPointError``). With ``max_norm``, gradients are scaled by
+    ``min(1, max_norm / (norm + 1e-6))``, torch's ``clip_grad_norm_``.
 
-    Mixed precision (:mod:`zerompi.precision`): ``param_dtype`` (``"bfloat16"``,
-    ``"float16"``) is the dtype the model reads and the gather moves, ``reduce_dtype``
-    that of the gradients it hands over and of the reduction's wire; ``loss_scale``
-    (``"dynamic"``, a number): the model multiplies its loss gradient by
-    ``opt.loss_scale``. ``rounding="stochastic"`` rounds the bfloat16 copy so.
-    ``param_groups`` (torch's): other settings for the parameters a group lists
-    (:mod:`zerompi.settings`); ``set_hyperparameters`` changes them between steps.
-    ``gather_buffers=False`` (stage 3): no buffers for ``gathered()``; the caller
-    gathers into its own memory with ``gather_into`` (the torch adapter).
-    ``timeout`` (seconds; default ``$ZEROMPI_TIMEOUT``, else 600; ``0``/``"none"``:
-    off) bounds every wait inside zerompi, then aborts (:mod:`zerompi.mpi.watchdog`).
-    ``elastic=True`` (Open MPI with ``mpiexec --with-ft ulfm``): survive a lost rank,
-    from in-memory snapshots taken every ``snapshot_every`` batches
-    (:mod:`zerompi.elastic`, :mod:`zerompi.recovery`); survivors get ``RankLost``.
+    In stages 0-2 ``opt.params[name]`` are persistent views of the full parameters,
+    and ``opt.grads[name]`` full-size gradient views (in stage 2 a full staging buffer
+    is allocated the first time ``opt.grads`` is used, which must be before the first
+    ``accumulate()``/``step()``: the streamed hand-over is what keeps stage 2's
+    gradients at ``1/W``). With ``elastic=True`` (Open MPI with ``mpiexec --with-ft
+    ulfm``) a lost rank is survived from in-memory snapshots (:mod:`zerompi.recovery`):
+    the survivors get :class:`zerompi.elastic.RankLost`.
     """
 
     def __init__(
-        self,
-        params: Mapping[str, np.ndarray | Deferred],
-        *,
-        comm: MPI.Intracomm | None = None,
-        stage: int = 1,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        decoupled_weight_decay: bool = False,
-        bucket_elems: int = DEFAULT_BUCKET_ELEMS,
-        group_of: Callable[[str], str] = default_group,
-        max_norm: float | None = None,
-        nonfinite: str = "skip",
-        overlap: bool = True,
-        shared_memory: bool | None = None,
-        timeout: float | str | None = None,
-        param_dtype: object = None,
-        reduce_dtype: object = None,
-        loss_scale: object = None,
-        rounding: str = "nearest",
-        param_groups: Sequence[Mapping[str, Any]] | None = None,
-        gather_buffers: bool = True,
-        elastic: bool = False,
-        snapshot_every: int = 10,
-    ) -> None:
-        args = {k: v for k, v in locals().items() if k not in ("self", "params", "comm")}
+        self, params: Mapping[str, np.ndarray | Deferred], config: ZeroConfig | None = None,
+        *, comm: MPI.Intracomm | None = None, **keywords: Any,
+    ) -> None:  # fmt: skip
         install_abort_hook()  # an uncaught exception on any rank aborts the whole job
-        self.comm = Comm(comm, timeout=0)  # the watchdog is armed once settings agree
-        error: BaseException | None = None
-        specs: list[tuple[str, tuple[int, ...], np.dtype]] = []
-        keys: list[str] = []
-        seconds: float | None = None
-        dtypes: tuple[object, ...] = ()
-        try:
-            check_world()
-            specs = check_params(params)
-            try:
-                b1, b2 = betas
-            except (TypeError, ValueError):
-                raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}") from None
-            base = AdamConfig(lr, b1, b2, eps, weight_decay, decoupled_weight_decay)
-            names = [name for name, _, _ in specs]
-            self.configs, self._member = group_configs(base, param_groups, names)
-            self.layout = optimizer_layout(
-                specs, self.comm.size, self.comm.rank, stage, bucket_elems, group_of
-            )
-            keys = [group_of(name) for name, _, _ in specs]
-            self.max_norm = check_failure_settings(max_norm, nonfinite)
-            self.nonfinite = nonfinite
-            for name, flag in (("overlap", overlap), ("shared_memory", shared_memory)):
-                if not isinstance(flag, bool) and (name == "overlap" or flag is not None):
-                    raise TypeError(f"{name} must be a bool, got {flag!r:.60}")
-            seconds = resolve_timeout(timeout)
-            shared_memory = check_elastic(elastic, snapshot_every, shared_memory)
-            self.precisions, self.scaler, dtypes = precision_settings(
-                list(self.layout.sizes), param_dtype, reduce_dtype, loss_scale, nonfinite,
-                rounding,
-            )  # fmt: skip
-            self.rounding = rounding
-        except Exception as exc:  # whatever it is, every rank must hear of it
-            error = exc
-        comm_ = self.comm
-        comm_.agree(error)
-        comm_.check_same(
-            [(n, s, d.str, k) for (n, s, d), k in zip(specs, keys, strict=True)],
-            "the parameter layout (name, shape, dtype, group)",
-        )
-        comm_.check_same(
-            (stage, self.configs, sorted(self._member.items()), int(bucket_elems)),
-            "the optimizer settings (stage, hyperparameters, param_groups, bucket_elems)",
-        )
-        comm_.check_same((self.max_norm, nonfinite), "the failure settings (max_norm, nonfinite)")
-        comm_.check_same((overlap, shared_memory, bool(gather_buffers)),
-                         "(overlap, shared_memory, gather_buffers)")  # fmt: skip
-        comm_.check_same(seconds, "the watchdog timeout (timeout or ZEROMPI_TIMEOUT)")
-        comm_.check_same((elastic, snapshot_every), "(elastic, snapshot_every)")
-        comm_.check_same(dtypes, "the precision settings (param_dtype, reduce_dtype, loss_scale)")
-        comm_.timeout = seconds
-        self._elastic_args = elastic_setup(comm_, args) if elastic else None
-        if not elastic:  # a node heartbeat in shared memory: not with a rank to lose
-            comm_.enable_heartbeat()
-        comm_.describe = self._describe
-        self.stage, self.overlap, self._gather_buffers = stage, overlap, bool(gather_buffers)
-        self.nodes = nodes_of(comm_)  # how the ranks sit on nodes (:mod:`zerompi.mpi.nodes`)
-        #: Whether node shared memory is in use (:func:`zerompi.plan.choose_shared`).
-        self.shared_memory = choose_shared(
-            shared_memory, stage, comm_, self.nodes, lambda: self._plan_buffers(True))
-        self.plan = self._stage_plan(self.shared_memory)
-        self._closed, self.step_count = False, 0
-        #: Steps skipped because the averaged gradient was not finite.
-        self.skipped_steps = 0
-        #: Global L2 norm of the last step's averaged gradient, before clipping
-        #: (``nan`` before the first step; ``inf`` or ``nan`` for a skipped step).
-        self.last_grad_norm = math.nan
-        self.timings = dict.fromkeys(PHASES, 0.0)
-        self._order = list(params)
-        self._micro_batches = 0
-        self._gathered: tuple[int, int] | None = None  # stage 3: (bucket, slot) in use
-        self._stats = np.zeros(8)  # this rank's row of the step agreement
+        world = Comm(comm, timeout=0)  # the watchdog is armed once the settings agree
+        settings, layout = settle(world, params, config, keywords)
+        #: Every lost rank survived so far (:meth:`zerompi.elastic.RankLost.record`).
         self.recoveries: list[dict[str, Any]] = []
-        self._allocate(params)
-        comm_.step = 1
-        if elastic:
-            self._install_guards()
-            if not is_restored(params):  # (a recovery snapshots what it restores)
-                self._snapshots.restart(self)  # the initial state
+        self._recovery: Recovery | None = None
+        if settings.config.elastic.enabled:
+            from .recovery import Recovery
 
-    def _describe(self, index: int) -> str:
-        """Bucket ``index`` in words, for error messages and the watchdog."""
-        bucket = self.layout.buckets[index]
-        names = ", ".join(bucket.names[:3]) + (", ..." if len(bucket.names) > 3 else "")
-        return f"bucket {index} [{names}]"
+            self._recovery = Recovery()
+        #: The engine: every buffer, strategy and counter of this optimizer.
+        self.engine: Engine = build_engine(settings, world, layout, params, self._handed_over)
+        self.engine.snapshots.restart(self.engine)  # elastic: the initial state
+
+    # -- what it is ------------------------------------------------------------------
+
+    @property
+    def config(self) -> ZeroConfig:
+        return self.engine.config
+
+    @property
+    def comm(self) -> Comm:
+        """The communicator (:class:`zerompi.mpi.collectives.Comm`; ``.mpi`` is mpi4py's)."""
+        return self.engine.comm
+
+    @property
+    def layout(self) -> Layout:
+        return self.engine.layout
+
+    @property
+    def nodes(self) -> Nodes:
+        """How the ranks sit on nodes (:class:`zerompi.mpi.nodes.Nodes`)."""
+        return self.engine.nodes
+
+    @property
+    def stage(self) -> int:
+        return self.engine.stage
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether node shared memory is in use (:func:`zerompi.engine.choose_shared`)."""
+        return self.engine.shared_memory
+
+    @property
+    def step_count(self) -> int:
+        return self.engine.step_count
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because the averaged gradient was not finite."""
+        return self.engine.skipped_steps
+
+    @property
+    def last_grad_norm(self) -> float:
+        """Global L2 norm of the last step's averaged gradient, before clipping."""
+        return self.engine.last_grad_norm
 
     @property
     def loss_scale(self) -> float:
-        """What the model multiplies its loss gradient by (1.0 without loss scaling;
-        float16 gradients default to dynamic scaling, :class:`zerompi.precision.LossScale`);
-        ``step()`` divides it back out."""
-        return 1.0 if self.scaler is None else self.scaler.scale
+        """What the model multiplies its loss gradient by (1.0 without loss scaling);
+        ``step()`` divides it back out (:class:`zerompi.precision.LossScale`)."""
+        return self.engine.loss_scale
 
-    def zero_grad(self) -> None:
-        """Discard every gradient added or accumulated since the last step."""
-        self._live("zero_grad")
-        self._discard()
+    def __repr__(self) -> str:
+        e = self.engine
+        return (f"ZeroOptimizer(stage={e.stage}, params={sum(e.layout.sizes.values())}, "
+                f"buckets={len(e.layout.buckets)}, rank={e.comm.rank}/{e.comm.size})")  # fmt: skip
 
-    def _discard(self) -> None:
-        self.reducer.discard()
-        self._micro_batches = 0
+    # -- hand-over ---------------------------------------------------------------------
 
+    @property
+    def params(self) -> FlatArrays:
+        """Name -> full parameter (a view into the flat buffer). Stages 0-2 only."""
+        return self.engine.access.params
+
+    @property
+    def resident_params(self) -> FlatArrays | None:
+        """Name -> full parameter view where this rank holds every parameter all the
+        time (stages 0-2; stage 3 on one node with node memory: the node's copy), in
+        ``param_dtype``; else ``None`` (stage 3 gathers: :meth:`gather_into`)."""
+        return self.engine.access.resident
+
+    @property
+    def grads(self) -> FlatArrays:
+        """Name -> full-size gradient view to add into. Stages 0-2; in stage 2 this
+        allocates a full staging buffer on first use, which must come before the first
+        ``accumulate()``/``step()`` on that rank (hand gradients over with
+        ``opt.gradients(names)`` instead to keep them at ``1/W``)."""
+        return self.engine.reducer.grads
+
+    @communicates
+    def gathered(self, *names: str) -> Block:
+        """``with opt.gathered(*names) as p``: the full parameters ``names`` (parameter
+        or group names) for the duration of the block. Stage 3 gathers their bucket
+        (collective: every rank must enter it) and releases it on exit; the arrays must
+        not be used after the block (``ZEROMPI_DEBUG=1`` fills them with NaN on exit).
+        Stages 0-2: the persistent views."""
+        self._live("gathered")
+        engine = self.engine
+        return engine.access.gathered(engine.names.find(names))
+
+    @communicates
+    def gradients(self, *names: str) -> Block:
+        """``with opt.gradients(*names) as g``: arrays to *add* the gradients of
+        ``names`` into. On a normal exit they are handed over: in stages 2-3, once
+        every parameter of a bucket has been handed over in this micro-batch, the
+        bucket is reduce-scattered (collective) and only this rank's shard kept.
+        Stages 0-1: views into the full gradient buffer."""
+        self._live("gradients")
+        engine = self.engine
+        with engine.timings.reduce:
+            return engine.reducer.block(engine.names.find(names))
+
+    @communicates
+    def _handed_over(self, found: Found) -> None:
+        """The end of an ``opt.gradients`` block (collective in stages 2-3)."""
+        self.engine.handed_over(found)
+
+    @communicates
+    def gather_into(self, index: int, out: np.ndarray) -> None:
+        """Collective: bucket ``index``'s full parameters (in ``param_dtype``) into
+        ``out``, memory the caller owns (the torch adapter's per-module storages).
+        Stage 3 without a node copy; recorded in the step's fingerprint like a
+        ``gathered`` block."""
+        engine = self.engine
+        bucket = engine.layout.buckets[index]
+        with engine.timings.gather:
+            engine.comm.plan_allgatherv(out, bucket.counts, bucket.displs, index,
+                                        send=engine.parts[index].gather_source).run()  # fmt: skip
+
+    # -- the step ----------------------------------------------------------------------
+
+    @communicates
     def accumulate(self) -> None:
         """End of one micro-batch: its gradients are folded into the accumulated
         gradient and the gradient buffers take the next one. No collective of its
         own (the step's agreement checks that every rank counted alike), except where
         a micro-batch must be reduced at once: stage 2's ``opt.grads`` mode, and
-        16-bit gradients at stages 0-1 (never accumulated in 16 bits); there a rank
-        that counts differently is ended by the watchdog."""
+        gradients narrower than the master at stages 0-1 (never accumulated in 16
+        bits); there a rank that counts differently is ended by the watchdog."""
         self._live("accumulate")
-        self._micro_batches += 1
-        start = time.perf_counter()
-        self.reducer.end_micro_batch()
-        self.timings["reduce_scatter"] += time.perf_counter() - start
+        pipeline.accumulate(self.engine)
 
+    @communicates
+    def fold(self) -> None:
+        """Fold the gradients added so far into the accumulated gradient *without*
+        counting a micro-batch (torch's semantics: several ``backward()`` calls are
+        summed). Only gradients narrower than the master at stages 0-1 are held in a
+        buffer of their own dtype until folded (a collective there; elsewhere nothing
+        to do), so the torch adapter folds after every backward."""
+        self._live("fold")
+        with self.engine.timings.reduce:
+            self.engine.reducer.fold()
+
+    @communicates
     def step(self) -> None:
-        """Collective: reduce -> agree -> skip or clip -> Adam -> gather.
-
-        Averages the gradients over ranks and micro-batches, agrees on their
-        statistics and on the collective calls made, skips a non-finite step on
-        every rank, clips if ``max_norm`` is set, runs Adam on this rank's part of
-        every bucket and publishes the updated parameters. Leaves every gradient
-        buffer zeroed."""
+        """Collective: reduce -> agree -> skip or clip -> Adam -> gather
+        (:mod:`zerompi.step`). Leaves every gradient buffer zeroed."""
         self._live("step")
-        self._gathers_done()  # stage 3: no gather may read the shards Adam will write
-        self._snapshots.settle()  # nor a snapshot's messages still read them
-        if self._micro_batches == 0:
-            self.accumulate()  # what was handed over is the one micro-batch
-        else:
-            self.reducer.flush()
-        clock = time.perf_counter
-        t0 = clock()
-        stats = self._reduce()
-        norm, nonfinite = self._agree(stats)
-        self._snapshots.commit()  # every rank's snapshot messages are complete
-        self.timings["reduce_scatter"] += clock() - t0
-        divisor = float(self.comm.size * self._micro_batches) * self.loss_scale
-        scaler = self.scaler
-        if nonfinite or not math.isfinite(norm):
-            if scaler is not None:  # an overflow: the scale comes down, on every rank alike
-                scaler.update(True, self.step_count + 1)
-            return self._skip(nonfinite)
-        if scaler is not None:
-            scaler.update(False, self.step_count + 1)
-        if self.max_norm is not None:
-            coef = self.max_norm / (norm + 1e-6)
-            if coef < 1.0:  # torch's clip_grad_norm_: scale by min(1, coef)
-                divisor /= coef
-        self.step_count += 1
-        self._adam(divisor)
-        t2 = clock()
-        self.gatherer.finish()
-        self.timings["allgather"] += clock() - t2
-        self._end_step()
+        pipeline.step(self.engine)
 
-    def _reduce(self) -> np.ndarray:
-        """Every bucket's reduction, and this rank's row of the agreement."""
-        stats = self._stats
-        stats[:2] = 0.0
-        runs, fused = self._stats_runs, self.reducer.fused
+    @communicates
+    def zero_grad(self) -> None:
+        """Discard every gradient added or accumulated since the last step (it waits
+        for the reductions in flight)."""
+        self._live("zero_grad")
+        self.engine.discard()
 
-        def visit(index: int) -> None:  # bucket `index` is reduced
-            runs.add(index, fused, stats)
+    def pop_timings(self) -> dict[str, float]:
+        """Seconds spent per phase (:data:`zerompi.timings.PHASES`) since the last call."""
+        return self.engine.timings.pop()
 
-        self.reducer.reduce(visit)
-        stats[2], stats[3] = self.step_count, self._micro_batches
-        stats[4:7], stats[7] = self.comm.fingerprint.words(), settings_token(self.configs)
-        return stats
+    # -- state ---------------------------------------------------------------------------
 
-    def _agree(self, stats: np.ndarray) -> tuple[float, int]:
-        """The step's one small collective (:func:`agree_step`); on disagreement the
-        gradients are discarded and every rank raises :class:`CollectiveError`."""
-        try:
-            nonfinite, sumsq = agree_step(self.comm, stats, self._describe, self.step_count + 1)
-        except CollectiveError:
-            self._discard()
-            raise
-        norm = math.sqrt(sumsq) / (float(self.comm.size * self._micro_batches) * self.loss_scale)
-        self.last_grad_norm = norm
-        return norm, nonfinite
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes this rank holds, per category (:data:`zerompi.buffers.CATEGORIES`): a
+        node-shared buffer counts this rank's share."""
+        return self.engine.memory_usage()
 
-    def _skip(self, nonfinite: int) -> None:
-        """A non-finite gradient or norm: the same on every rank, state untouched."""
-        self.skipped_steps += 1
-        self._discard()
-        self.comm.step = self.step_count + 1
-        self._snapshots.after_step(self)
-        if self.nonfinite == "raise":
-            what = (
-                f"has {nonfinite} non-finite element(s)" if nonfinite
-                else f"has a norm that overflows ({self.last_grad_norm})"
-            )  # fmt: skip
-            raise FloatingPointError(
-                f"step {self.step_count + 1}: the averaged gradient {what} over "
-                f"{self.comm.size} rank(s); the step was skipped (parameters and Adam "
-                "state unchanged)"
+    def memory_buffers(self) -> dict[str, int]:
+        """Bytes per named buffer (``grad_bucket.float32``, ``exp_avg.float32``, ...)."""
+        return self.engine.memory_buffers()
+
+    @communicates
+    def full_params(self) -> dict[str, np.ndarray]:
+        """Collective: a copy of every full parameter in its master dtype, on every rank."""
+        return state.full_params(self.engine)
+
+    @communicates
+    def gather_state(self) -> dict[str, dict[str, np.ndarray]]:
+        """Collective: the full ``exp_avg`` and ``exp_avg_sq`` of every parameter."""
+        return state.gather_state(self.engine)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """Adam's settings of every parameter group, as a checkpoint records them."""
+        return state.hyperparameters(self.engine)
+
+    def param_group(self, name: str) -> int:
+        """The parameter group of parameter ``name`` (0: the config's settings)."""
+        return self.engine.member[name]
+
+    def set_hyperparameters(self, group: int = 0, **settings: float) -> None:
+        """Change a parameter group's Adam settings (``lr``, ``beta1``, ``beta2``,
+        ``eps``, ``weight_decay``) from the next step on (a schedule). Call it alike
+        on every rank: while the ranks' settings differ, every ``step()`` fails on
+        every rank with :class:`zerompi.mpi.agreement.CollectiveError` before Adam runs."""
+        state.set_hyperparameters(self.engine, group, **settings)
+
+    @communicates
+    def save(self, path: str) -> None:
+        """Collective: the state to the single file ``path`` (:mod:`zerompi.checkpoint`),
+        each rank writing its shards with MPI-IO; ``path`` holds either the previous
+        checkpoint or the complete new one, and an error on any rank is raised on every
+        rank."""
+        from . import checkpoint  # not at import: keeps `python -m zerompi.checkpoint` clean
+
+        checkpoint.save(self.engine, path)
+
+    @communicates
+    def load(self, path: str) -> dict:
+        """Collective: restore parameters, Adam moments and counters from a checkpoint
+        saved at any world size and stage (this optimizer keeps its settings). Every
+        checksum is verified first: on any error every rank raises
+        :class:`zerompi.checkpoint.CheckpointError` and the state is untouched."""
+        from . import checkpoint
+
+        return checkpoint.load(self.engine, path)
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def survive(self) -> AbstractContextManager[None]:
+        """``with opt.survive():`` around the caller's own collectives on ``opt.comm``:
+        a failed peer seen inside becomes a recovery, and
+        :class:`zerompi.elastic.RankLost` is raised on every survivor. Without
+        ``elastic=True`` it does nothing."""
+        return survive(self)
+
+    @communicates
+    def close(self) -> None:
+        """Collective: finish what is in flight and release the shared-memory segments.
+        Arrays handed out before stay valid; the optimizer can still be inspected and
+        saved, not trained. ``with ZeroOptimizer(...) as opt:`` calls it on a normal
+        exit."""
+        self.engine.close()
+
+    def _live(self, what: str) -> None:
+        """Refuse training calls after ``close()``, before touching any state."""
+        if self.engine.closed:
+            raise RuntimeError(
+                f"opt.{what}() after close(): this optimizer was closed (its staging and "
+                "shared-memory buffers are released); its parameters can still be read "
+                "and saved, not trained"
             )
 
-    def _adam(self, divisor: float) -> None:
-        """Adam on this rank's part, bucket by bucket, in chunks; each bucket's gather
-        starts as soon as its part is updated and advances between the chunks."""
-        clock = time.perf_counter
-        adam_s = gather_s = 0.0
-        step_count, configs, gatherer = self.step_count, self.configs, self.gatherer
-        chunk = gatherer.chunk
-        key = sr_key(step_count) if self.rounding == "stochastic" else None
-        for run, base, segs in zip(self._adam_runs, self._low_bases, self._segments, strict=True):
-            (param, grad, m, v, low), scratch = run.arrays, run.scratch
-            for lo, hi, config in ((lo, min(lo + chunk, stop), configs[group])
-                                   for start, stop, group in segs
-                                   for lo in range(start, stop, chunk)):  # fmt: skip
-                sr = None if key is None or low is None else (key, base + lo)
-                t1 = clock()
-                adam_step(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step_count, config,
-                          scratch, divisor, low=None if low is None else low[lo:hi],
-                          stochastic=sr)  # fmt: skip
-                t2 = clock()
-                adam_s += t2 - t1
-                gatherer.progress()
-                gather_s += clock() - t2
-            t2 = clock()
-            gatherer.started(run.last)  # a run is one bucket where gathers start per bucket
-            gather_s += clock() - t2
-        self.timings["adam"] += adam_s
-        self.timings["allgather"] += gather_s
+    def __enter__(self) -> ZeroOptimizer:
+        return self
 
-    def _end_step(self) -> None:
-        self.reducer.consumed()
-        self._micro_batches = 0
-        self.comm.step = self.step_count + 1
-        self._snapshots.after_step(self)
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Not while an exception propagates: it may be on this rank only, and close()
+        # is collective; the abort hook ends the world instead.
+        if exc_type is None:
+            self.close()
 
-    def close(self) -> None:
-        """Collective: finish what is in flight and release the shared-memory
-        segments. Arrays handed out before stay valid; the optimizer can still be
-        inspected and saved, not trained. ``with ZeroOptimizer(...) as opt:`` calls
-        it on a normal exit."""
-        if not self._closed:
-            self._gathers_done()
-            self.reducer.close()
-            self.pool.close()
-            self._closed = True

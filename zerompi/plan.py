@@ -1,5 +1,6 @@
-"""What differs between stages, as data: a :class:`StagePlan` and, per bucket, a
-:class:`Part` saying where its gradient, parameters and moments live on this rank.
+"""What differs between stages, as data: a :class:`StagePlan` of decisions made once,
+the buffers it needs (:func:`buffer_plan`) and, per bucket, a :class:`Part` saying
+where its gradient, parameters and moments live on this rank.
 
 ======  ==========  ====================  =============  ===============================
 stage   parameters  gradients             Adam moments   reduction / gather
@@ -12,71 +13,131 @@ stage   parameters  gradients             Adam moments   reduction / gather
                                                          layer into 1 bucket when used
 ======  ==========  ====================  =============  ===============================
 
-(The MPI path. With node shared memory, :func:`stage_plan`'s ``node_kinds`` and
-``shared_kinds``: one parameter copy per node in stages 1-2 and in 3 on one node,
-stage 3's gathered layers once per node over several; stage 1's full gradient
-buffers and the staging buckets of 2-3 summed within a node; see
-:mod:`zerompi.mpi.nodes` and :mod:`zerompi.nodesum`.)
+(The MPI path. With node shared memory, :attr:`StagePlan.node_memory`: one parameter
+copy per node in stages 1-2 and in 3 on one node, stage 3's gathered layers once per
+node over several; stage 1's full gradient buffers and the staging buckets of 2-3
+summed within a node; see :mod:`zerompi.mpi.nodes` and :mod:`zerompi.nodesum`.)
 
-The step never asks which stage it runs: it reduces (a :mod:`zerompi.reducer`), reads
-each bucket's :class:`Part`, runs Adam on ``part.param`` with ``part.grad`` and the
-moments, and lets a :mod:`zerompi.gather` gatherer publish the result. The parts are
-views computed once, here, so a step does no per-bucket lookups.
+The plan names, for the engine to build once (:mod:`zerompi.engine`), the three
+strategies that differ between stages: how the model reads its parameters
+(:class:`Access`, :mod:`zerompi.handover`), how a bucket's gradients are reduced
+(:class:`Reduce`, :mod:`zerompi.reduction`) and how the updated parameters are
+published after Adam (:class:`Publish`, :mod:`zerompi.gather`). The step never asks
+which stage it runs. The parts are views computed once, here, so a step does no
+per-bucket lookups. Pure numpy: no MPI here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from .adam import BLOCK
+from .buffers import Kind, Placement, PlannedBuffer, Stores
 from .partition import Layout
-
-if TYPE_CHECKING:
-    from .buffers import PlannedBuffer
-    from .mpi.collectives import Comm
-    from .mpi.nodes import Nodes
-
-Store = Mapping[np.dtype, np.ndarray]
-
+from .precision import Precision
 
 #: The kinds of state a checkpoint (and an elastic snapshot) holds, in file order.
-STATE_KINDS = ("params", "exp_avg", "exp_avg_sq")
+STATE_KINDS = (Kind.PARAMS, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+
+#: Staging slots of stages 2-3 with ``overlap``: one bucket is reduced while the next
+#: one's gradients are being added.
+OVERLAP_SLOTS = 2
+
+#: Stage 0-1 reductions in flight at once in ``step()`` (:mod:`zerompi.reducer`):
+#: bucket i+2 starts when bucket i is complete. Starting all of them at once measured
+#: as slow as one collective on the whole buffer (2.5x slower than bucket by bucket at
+#: 64M parameters): MPICH works on all of them together and the working set leaves
+#: the cache. Also the receive regions a 16-bit reduction of stages 0-1 needs.
+REDUCE_WINDOW = 2
+
+
+def staging_slots(overlap: bool) -> int:
+    """Stages 2-3's staging slots: two with ``overlap``, else one."""
+    return OVERLAP_SLOTS if overlap else 1
+
+
+def gather_slots(overlap: bool) -> int:
+    """Stage 3's gather buffers: two with ``overlap`` (the next layer's gather moves
+    while the model uses the current one, :mod:`zerompi.prefetch`), else one."""
+    return 2 if overlap else 1
+
+
+class Access(Enum):
+    """How the model reads its parameters (:mod:`zerompi.handover`)."""
+
+    #: Every rank holds every parameter all the time (stages 0-2).
+    RESIDENT = "resident"
+    #: Stage 3 on one node: the node's one copy, read in place.
+    NODE_COPY = "node copy"
+    #: Stage 3: a layer is gathered into zerompi's gather buffers when used.
+    GATHERED = "gathered"
+    #: Stage 3 without gather buffers: the caller gathers into its own memory.
+    CALLER_GATHERS = "caller gathers"
+
+
+class Reduce(Enum):
+    """How a bucket's gradients become its reduced shard (:mod:`zerompi.reduction`)."""
+
+    #: Stage 0: ``Allreduce`` of the whole bucket.
+    ALLREDUCE = "allreduce"
+    #: ``Ireduce_scatter`` with exact counts, into the shard.
+    REDUCE_SCATTER = "reduce_scatter"
+    #: Gradients narrower than the master (16-bit) over MPI: ``Alltoallv`` of every
+    #: rank's part, summed here in the master dtype (MPI never sums 16 bits).
+    SPLIT = "split"
+    #: Node shared memory: each rank sums its region from its node's buffers, then
+    #: (over several nodes) a cross-node ``Ireduce_scatter`` of the node sums.
+    NODE_SUM = "node sum"
+
+
+class Publish(Enum):
+    """How the updated parameters reach every rank after Adam (:mod:`zerompi.gather`)."""
+
+    #: Nothing to publish: stage 0 (Adam ran everywhere) and stage 3 (gathered on use).
+    NONE = "none"
+    #: ``Iallgatherv`` of each bucket as Adam finishes it.
+    ALLGATHERV = "allgatherv"
+    #: Adam wrote the node's one copy in place: only other nodes' parts are gathered.
+    NODE = "node"
 
 
 @dataclass(frozen=True)
 class StagePlan:
-    """How one stage keeps and moves its data."""
+    """How one stage keeps and moves its data: the decisions the engine builds its
+    strategies from, once."""
 
     stage: int
-    #: Every rank holds every parameter (stages 0-2); else its shards (3).
+    #: Every rank holds every parameter (stages 0-2, and 3 on one node in node memory).
     full_params: bool
     #: The model adds into full gradient buffers, reduced at ``step()`` (stages 0-1);
     #: else gradients are handed over bucket by bucket and reduced as they arrive.
     full_grads: bool
-    #: ``"allreduce"`` (stage 0) or ``"reduce_scatter"``.
-    reduce: str
-    #: After Adam: ``"none"`` (0, and 3 which gathers on use), ``"allgatherv"`` (1-2
-    #: over MPI) or ``"node"`` (1-2 with one node-shared copy of the parameters:
-    #: Adam writes it in place, only other nodes' parts are gathered, by MPI).
-    gather: str
-    #: Buffers in node shared memory, one part per rank that the node's ranks read
-    #: (stages 2-3's staging buckets: the reduction within a node reads them).
-    shared_kinds: tuple[str, ...]
-    #: Buffers of which each node holds one copy that all its ranks map (stages
-    #: 1-2's parameters).
-    node_kinds: tuple[str, ...] = ()
-    #: Stage 3 without a node copy: zerompi's own gather buffers for ``gathered()``;
-    #: ``False`` where the caller gathers into its own memory (``gather_into``: the
-    #: torch adapter's per-module storages), so they are not allocated.
-    layer_buffers: bool = True
+    access: Access
+    #: How each bucket's gradients are reduced, in the master dtype and narrower
+    #: (16-bit, :meth:`reduction`).
+    reduce: Reduce
+    reduce_low: Reduce
+    publish: Publish
+    #: The kinds of buffer placed in node shared memory, each as its
+    #: :attr:`zerompi.buffers.Kind.shared` says (empty: none).
+    node_memory: frozenset[Kind] = frozenset()
+    #: Stage 2: ``opt.grads`` may add full-size gradient buffers (reduced per
+    #: micro-batch); stage 3 has none.
+    full_grads_on_demand: bool = False
 
     @property
     def shared_memory(self) -> bool:
-        return bool(self.shared_kinds or self.node_kinds)
+        return bool(self.node_memory)
+
+    def reduction(self, precision: Precision) -> Reduce:
+        """How a bucket of ``precision`` is reduced."""
+        return self.reduce_low if precision.low_grads else self.reduce
 
 
 def stage_plan(
@@ -91,59 +152,140 @@ def stage_plan(
       over several nodes keeps its gathered layers once per node instead;
     * the gradients live in node shared memory, summed within the node there and
       across nodes by MPI: the staging buckets of stages 2-3, and stage 1's full
-      buffers unless they are 16-bit (``low_grads``: reduced per micro-batch by MPI)."""
+      buffers unless they are 16-bit (``low_grads``: reduced per micro-batch by MPI).
+
+    ``layer_buffers=False`` (stage 3 without a node copy): no gather buffers; the
+    caller gathers into its own memory (the torch adapter)."""
     shared = shared_memory and stage >= 1
     node_copy = shared and (stage <= 2 or one_node)
+    kinds: set[Kind] = set()
+    if node_copy:
+        kinds.add(Kind.PARAMS)
+    elif shared:  # stage 3 over several nodes: the gathered layers, one copy per node
+        kinds.add(Kind.PARAM_BUCKET)
+    if shared and stage >= 2:
+        kinds.add(Kind.GRAD_BUCKET)
+    elif shared and stage == 1 and not low_grads:
+        kinds.add(Kind.GRADS)
+    if stage <= 2 or node_copy:
+        access = Access.RESIDENT if stage <= 2 else Access.NODE_COPY
+    else:
+        access = Access.GATHERED if layer_buffers else Access.CALLER_GATHERS
+    if stage == 0:
+        reduce, low = Reduce.ALLREDUCE, Reduce.SPLIT
+    elif stage == 1:
+        reduce = Reduce.NODE_SUM if Kind.GRADS in kinds else Reduce.REDUCE_SCATTER
+        low = Reduce.SPLIT
+    else:
+        reduce = Reduce.NODE_SUM if shared else Reduce.REDUCE_SCATTER
+        low = Reduce.NODE_SUM if shared else Reduce.SPLIT
+    publish = Publish.NODE if node_copy else (
+        Publish.NONE if stage in (0, 3) else Publish.ALLGATHERV)  # fmt: skip
+    if access is Access.CALLER_GATHERS:
+        kinds.discard(Kind.PARAM_BUCKET)
     return StagePlan(
-        stage=stage,
-        full_params=stage <= 2 or node_copy,
-        full_grads=stage <= 1,
-        reduce="allreduce" if stage == 0 else "reduce_scatter",
-        gather="node" if node_copy else ("none" if stage in (0, 3) else "allgatherv"),
-        shared_kinds=("grad_bucket",) if shared and stage >= 2 else (
-            ("grads",) if shared and stage == 1 and not low_grads else ()),
-        # stage 3 over several nodes: the gathered layers, one copy per node
-        node_kinds=("params",) if node_copy else (("param_bucket",) if shared else ()),
-        layer_buffers=layer_buffers,
-    )
+        stage=stage, full_params=stage <= 2 or node_copy, full_grads=stage <= 1,
+        access=access, reduce=reduce, reduce_low=low, publish=publish,
+        node_memory=frozenset(kinds), full_grads_on_demand=stage == 2,
+    )  # fmt: skip
 
 
-def choose_shared(
-    asked: bool | None, stage: int, comm: Comm, nodes: Nodes,
-    plan: Callable[[], Sequence[tuple[PlannedBuffer, Comm | None, bool]]],
-) -> bool:  # fmt: skip
-    """Collective: whether an optimizer of ``stage`` uses node shared memory.
-    ``asked``: ``False`` never; ``True`` wherever it can work (every node the same
-    number of ranks); ``None`` (the default) also needs more than one rank per node,
-    a stage above 0 and room in ``/dev/shm`` on every node for what ``plan()`` (the buffer
-    plan with shared memory, and where each buffer goes) puts there. Where it was
-    asked for or is the default and cannot be used, rank 0 prints one line saying
-    why, and the MPI collectives run instead."""
-    from .mpi.shm import segment_bytes, shm_dir, shm_free_bytes
+def buffer_plan(
+    layout: Layout, plan: StagePlan, overlap: bool = True,
+    precisions: Mapping[np.dtype, Precision] | None = None,
+    region: Sequence[int] | None = None,
+) -> list[PlannedBuffer]:  # fmt: skip
+    """Every buffer an optimizer of ``plan`` allocates at construction on the rank of
+    ``layout``, in allocation order, each placed as the plan says: the one
+    description the engine allocates from and :mod:`zerompi.memory` estimates from.
+    Over several nodes with node memory, ``region`` (the ranks whose shards this rank
+    sums within its node, :attr:`zerompi.mpi.nodes.Nodes.peers`) sizes the buffer of
+    those sums, one per staging slot (stage 1: per reduction in flight), that the
+    cross-node reduce-scatter sends.
 
-    if asked is False or stage == 0 or (asked is None and comm.size == 1):
-        return False
-    if asked is None and nodes.uniform and nodes.size == 1:
-        return False  # one rank per node: nothing to share (and no notice needed)
-    why = ""
-    if not nodes.uniform:
-        sizes = sorted({len(m) for m in nodes.members})
-        why = f"the nodes have different numbers of ranks ({sizes})"
-    elif asked is None:
-        need = sum(
-            segment_bytes(b.count, b.dtype, nodes.size if per_rank else 1)
-            for b, shared, per_rank in plan() if shared is not None
-        )  # fmt: skip
-        free = shm_free_bytes() if nodes.local == 0 else None
-        short = nodes.local == 0 and (free is None or free < need * 1.05 + (1 << 20))
-        if comm.max(int(short)):
-            why = (f"{shm_dir()} has too little room on some node (this job needs "
-                   f"{need / 2**20:.1f} MiB per node)")  # fmt: skip
-    if why and comm.rank == 0:
-        print(f"zerompi: not using node shared memory: {why}; the MPI collectives run "
-              "instead (shared_memory=False chooses them without this notice)",
-              flush=True)  # fmt: skip
-    return not why
+    Per master dtype ``M`` (the arrays' own), with ``P``/``R`` the parameter and
+    reduce dtypes (:mod:`zerompi.precision`; ``M`` by default): the parameters the
+    model reads in ``P`` (full in stages 0-2; in 3 the shard, kept in ``M``, plus its
+    ``P`` copy when ``P`` differs); the master copy in ``M`` when ``P`` differs (all
+    of it in stage 0, the shard in 1-2); the gradients the model adds into, in ``R``
+    (full in 0-1; 2-3 stage them in buckets, two with ``overlap``, else one); the
+    reduced gradient in ``M`` (the shard in 2-3, and in 0-1 when ``R`` differs: the
+    shard in 1, all in 0); where ``R`` is narrower and the reduction goes through
+    MPI, a receive buffer per staging bucket for every rank's part; one bucket of
+    parameter gathering in ``P`` per gather slot (3: two with ``overlap``); the two
+    Adam moments in ``M`` over what Adam runs on (everything in stage 0, the shard
+    otherwise) and the Adam kernel's scratch block.
+    """
+    stage, shared = plan.stage, plan.shared_memory
+    out: list[PlannedBuffer] = []
+    sharded = not plan.full_params
+    # Over several nodes the node's sums of this rank's region go across nodes.
+    node_sums = shared and region is not None and len(region) > 1
+    low_any = any(p.low_grads for p in (precisions or {}).values())
+
+    def widest(dtype: np.dtype) -> int:  # elements of the widest region of a bucket
+        return max(
+            (sum(b.counts[r] for r in region or ()) for b in layout.buckets if b.dtype == dtype),
+            default=0,
+        )
+
+    def add(kind: Kind, dtype: np.dtype, count: int, group: np.dtype) -> None:
+        placement = kind.shared if kind in plan.node_memory else Placement.PRIVATE
+        out.append(PlannedBuffer(kind, dtype, count, group, placement))
+
+    for dtype, size in layout.sizes.items():
+        prec = precisions[dtype] if precisions else Precision(dtype, dtype, dtype)
+        p_dt, r_dt = prec.param, prec.reduce
+        shard = layout.shard_sizes[dtype]
+        local = size if stage == 0 else shard  # what Adam runs on
+        slots = staging_slots(overlap)
+        if sharded:
+            add(Kind.PARAMS, dtype, shard, dtype)
+            if prec.low_params:
+                add(Kind.PARAMS_LOW, p_dt, shard, dtype)
+        else:
+            add(Kind.PARAMS, p_dt, size, dtype)
+            if prec.low_params:
+                add(Kind.MASTER, dtype, local, dtype)
+        if stage <= 1:
+            add(Kind.GRADS, r_dt, size, dtype)
+            if prec.low_grads:
+                add(Kind.GRADS_REDUCED, dtype, local, dtype)
+            elif stage == 1 and node_sums and not low_any:  # node sums, per window slot
+                add(Kind.GRAD_NODE, dtype, widest(dtype) * REDUCE_WINDOW, dtype)
+        else:
+            add(Kind.GRADS, dtype, shard, dtype)
+            add(Kind.GRAD_BUCKET, r_dt, layout.max_bucket(dtype) * slots, dtype)
+            if node_sums:
+                add(Kind.GRAD_NODE, dtype, widest(dtype) * slots, dtype)
+        if prec.low_grads and not (shared and stage >= 2):  # Reduce.SPLIT's receive regions
+            parts = (slots if stage >= 2 else REDUCE_WINDOW) * layout.world_size
+            add(Kind.GRAD_RECV, r_dt, parts * layout.max_part(dtype), dtype)
+        if sharded and plan.access is not Access.CALLER_GATHERS:
+            add(Kind.PARAM_BUCKET, p_dt, layout.max_bucket(dtype) * gather_slots(overlap), dtype)
+        for kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ):
+            add(kind, dtype, local, dtype)
+        add(Kind.SCRATCH, dtype, min(BLOCK, max(local, 1)), dtype)
+    return out
+
+
+def full_grads_plan(
+    layout: Layout, precisions: Mapping[np.dtype, Precision] | None = None,
+    shared_memory: bool = False,
+) -> list[PlannedBuffer]:  # fmt: skip
+    """The full-size gradient buffers (in the reduce dtype) a stage-2 optimizer adds
+    the first time ``opt.grads`` is used (the non-streamed hand-over; see
+    ``ZeroOptimizer.grads``), and, for narrower gradients where the staging buckets
+    reduce through shared memory (so :func:`buffer_plan` has none), one receive
+    region for their reduction over MPI."""
+    reduce = {d: precisions[d].reduce if precisions else d for d in layout.sizes}
+    out = [PlannedBuffer(Kind.GRADS_FULL, reduce[dtype], size, dtype)
+           for dtype, size in layout.sizes.items()]  # fmt: skip
+    for d in layout.sizes if shared_memory else ():
+        if reduce[d] != d:
+            count = layout.world_size * layout.max_part(d)
+            out.append(PlannedBuffer(Kind.GRAD_RECV, reduce[d], count, d))
+    return out
 
 
 class Part(NamedTuple):
@@ -169,23 +311,27 @@ class Part(NamedTuple):
     #: stages 0-2, the 16-bit shard that stage 3 gathers from); else None.
     low: np.ndarray | None = None
 
+    @property
+    def gather_source(self) -> np.ndarray:
+        """What stage 3 gathers this bucket from: the shard, or its rounded copy."""
+        return self.param if self.low is None else self.low
 
-def shard_of(store: Store, layout: Layout, index: int) -> np.ndarray:
+
+def shard_of(store: Mapping[np.dtype, np.ndarray], layout: Layout, index: int) -> np.ndarray:
     """This rank's shard of bucket ``index`` in a shard-sized buffer."""
     bucket = layout.buckets[index]
     lo = bucket.shard_offset
     return store[bucket.dtype][lo : lo + bucket.counts[layout.rank]]
 
 
-def bucket_parts(plan: StagePlan, layout: Layout, stores: Mapping[str, Store]) -> list[Part]:
+def bucket_parts(plan: StagePlan, layout: Layout, stores: Stores) -> list[Part]:
     """Every bucket's :class:`Part` over the optimizer's buffers (``stores`` by kind,
-    then master dtype: ``params``, ``grads``, ``exp_avg``, ``exp_avg_sq``,
-    ``scratch``, and with mixed precision ``master``, ``params_low``,
-    ``grads_reduced``; see :func:`zerompi.buffers.buffer_plan`)."""
+    then master dtype, as :func:`buffer_plan` plans them)."""
     parts = []
-    params, grads = stores["params"], stores["grads"]
-    master, params_low = stores.get("master", {}), stores.get("params_low", {})
-    reduced = stores.get("grads_reduced", {})
+    params, grads = stores[Kind.PARAMS], stores[Kind.GRADS]
+    master, params_low = stores.get(Kind.MASTER, {}), stores.get(Kind.PARAMS_LOW, {})
+    reduced = stores.get(Kind.GRADS_REDUCED, {})
+    summed_in_place = Kind.GRADS in plan.node_memory  # peers read the rest of the bucket
     for index, bucket in enumerate(layout.buckets):
         dtype, (lo, hi) = bucket.dtype, bucket.local(layout.rank)
         whole = slice(bucket.start, bucket.stop)
@@ -206,7 +352,7 @@ def bucket_parts(plan: StagePlan, layout: Layout, stores: Mapping[str, Store]) -
                 grad = shard_of(grads, layout, index)
             elif dtype in reduced:
                 grad = reduced[dtype][mine]
-            elif "grads" in plan.shared_kinds:  # summed into its place: peers read the rest
+            elif summed_in_place:  # summed into its place: peers read the rest
                 grad = full_grad[lo:hi]
             else:  # stage 1 reduces in place: the shard lands at the top of the bucket
                 grad = full_grad[: hi - lo]
@@ -219,9 +365,9 @@ def bucket_parts(plan: StagePlan, layout: Layout, stores: Mapping[str, Store]) -
                 param = shard_of(params, layout, index)
                 if dtype in params_low:
                     low = shard_of(params_low, layout, index)
-        exp_avg = stores["exp_avg"][dtype][moments]
-        exp_avg_sq = stores["exp_avg_sq"][dtype][moments]
-        scratch = stores["scratch"][dtype]
+        exp_avg = stores[Kind.EXP_AVG][dtype][moments]
+        exp_avg_sq = stores[Kind.EXP_AVG_SQ][dtype][moments]
+        scratch = stores[Kind.SCRATCH][dtype]
         part = Part(
             index, grad, stats, param, exp_avg, exp_avg_sq, scratch, full_param, full_grad, low
         )  # type: ignore[arg-type]
@@ -245,7 +391,7 @@ def _continues(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return a.dtype == b.dtype and a.ctypes.data + a.nbytes == b.ctypes.data
 
 
-def runs(parts: list[Part], fields: tuple[str, ...], merge: bool) -> list[Run]:
+def runs(parts: Sequence[Part], fields: tuple[str, ...], merge: bool) -> list[Run]:
     """The parts' ``fields`` (e.g. ``("param", "grad", "exp_avg", "exp_avg_sq")``)
     grouped into runs of buckets that continue one another in every field (only
     with ``merge``; else one run per bucket), each field joined into one view."""
@@ -265,3 +411,40 @@ def runs(parts: list[Part], fields: tuple[str, ...], merge: bool) -> list[Run]:
             out.append(Run(part.index, arrays, part.scratch))
     return out
 
+
+# -- the state: master parameters and moments ---------------------------------------------
+
+
+def masters(stores: Stores) -> dict[np.dtype, np.ndarray]:
+    """Per master dtype, the buffer of the master parameters: full on every rank
+    where :func:`master_is_full`, else this rank's shards."""
+    low = stores.get(Kind.MASTER, {})
+    return {d: low.get(d, flat) for d, flat in stores[Kind.PARAMS].items()}
+
+
+def master_is_full(plan: StagePlan, stores: Stores, dtype: np.dtype) -> bool:
+    """Whether the master parameters of ``dtype`` are full on every rank."""
+    separate = dtype in stores.get(Kind.MASTER, {})  # a narrower param_dtype
+    return plan.stage == 0 or (plan.full_params and not separate)
+
+
+def state_views(
+    plan: StagePlan, layout: Layout, stores: Stores
+) -> list[tuple[str, int, np.ndarray]]:
+    """``(section, first global element, this rank's shard)`` of every bucket of every
+    kind of state (:data:`STATE_KINDS`), in one fixed order: writable views of the
+    buffers (what checkpoints write and read, and elastic snapshots send)."""
+    flat = masters(stores)
+    out = []
+    for kind in STATE_KINDS:
+        store = flat if kind is Kind.PARAMS else stores[kind]
+        for index, bucket in enumerate(layout.buckets):
+            lo, hi = bucket.local(layout.rank)
+            full = plan.stage == 0 or (
+                kind is Kind.PARAMS and master_is_full(plan, stores, bucket.dtype))  # fmt: skip
+            if full:
+                shard = store[bucket.dtype][bucket.start + lo : bucket.start + hi]
+            else:
+                shard = shard_of(store, layout, index)
+            out.append((f"{kind.label}.{bucket.dtype.name}", bucket.start + lo, shard))
+    return out

@@ -1,237 +1,159 @@
-"""Gradient reduction: one interface, chosen once per optimizer from its plan.
+"""Gradient hand-over and reduction scheduling: one of two objects per engine, by the
+plan, each driving one reduction backend per bucket (:mod:`zerompi.reduction`).
 
-* :class:`FullReducer` (stages 0-1): the model adds into full gradient buffers;
-  ``step()`` reduces them bucket by bucket (stage 0: a blocking ``Allreduce``, which
-  measured 1.6x faster than MPICH's ``Iallreduce`` here; stage 1: ``Ireduce_scatter``
-  with :data:`REDUCE_WINDOW` buckets in flight, or with node shared memory the
-  buffers' sums read in place, as stages 2-3 read their staging).
-* :class:`StreamReducer` (stages 2-3): gradients are handed over bucket by bucket
+* :class:`FullGradients` (stages 0-1): the model adds into full gradient buffers;
+  ``step()`` reduces them bucket by bucket, :data:`zerompi.plan.REDUCE_WINDOW` in
+  flight. Gradients narrower than the master are reduced at every micro-batch
+  instead (never accumulated in 16 bits), and the step does what is left.
+* :class:`StagedGradients` (stages 2-3): gradients are handed over bucket by bucket
   into a staging slot and reduced as soon as a bucket is complete, while the model
-  computes the next one; two backends: ``Ireduce_scatter`` straight into the gradient
-  shard (MPI), or sums read (and zeroed) from the peers' slots in node shared memory.
+  computes the next one; stage 2's ``opt.grads`` adds full buffers, reduced at every
+  micro-batch once every rank agreed to use them.
 
-Both expose ``reduce(visit)``: ``visit(index)`` is called in bucket order as soon as
-bucket ``index``'s reduced gradient (``parts[index].grad``) is complete.
+Both expose the same interface to the engine: ``block(found)`` (what
+``opt.gradients`` enters), ``grads`` (``opt.grads``), ``end_micro_batch()``,
+``fold()``, ``flush()``, ``reduce(visit)`` (``visit(index)`` in bucket order as soon
+as bucket ``index``'s reduced gradient, ``parts[index].grad``, is complete),
+``fused`` (per bucket, its statistics where its reduction computed them),
+``consumed()``, ``discard()`` and ``close()``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
-from .buffers import REDUCE_WINDOW
-from .mpi.collectives import Comm, Pending, Planned
-from .mpi.nodes import Nodes
-from .mpi.shm import SharedSegment
-from .nodesum import NodeSum, Stats, sum_received
-from .partition import Bucket, Layout
-from .plan import Part
+from .arrays import FlatArrays
+from .handover import Block, Found, Names, single_bucket
+from .mpi.collectives import Comm
+from .nodesum import Stats
+from .partition import Layout
+from .plan import REDUCE_WINDOW, Part
+from .reduction import Backend, InFlight
 
 Visit = Callable[[int], None]
 
 
-class FullReducer:
-    """Stages 0-1: reduce the full gradient buffers at ``step()``.
-
-    With 16-bit gradients (``recv``: the receive buffers of
-    :func:`zerompi.buffers.buffer_plan`) the model's buffers must not accumulate
-    micro-batches in 16 bits either: every ``end_micro_batch`` moves each rank's
-    parts to their owners (``Alltoallv``), sums them into the master-dtype shard of
-    the reduced gradient, and zeroes the 16-bit buffers; stage 0 then gathers the
-    reduced shards at ``step()``.
-
-    Stage 1 with node shared memory (``node_sum``; the full buffers are node-shared,
-    one part per rank) sums this rank's region from every node rank's buffer into its
-    own part's shard position (:class:`zerompi.nodesum.NodeSum`), then over several
-    nodes reduce-scatters those node sums across nodes, as stages 2-3 do."""
+class FullGradients:
+    """Stages 0-1: reduce the full gradient buffers at ``step()``, through
+    ``at_step[index]``; with ``per_micro`` backends (gradients narrower than the
+    master), every micro-batch is reduced as it ends and its buffers zeroed, and
+    ``at_step`` does what is left (stage 0 gathers the reduced parts). ``to_zero``:
+    per bucket, what to zero once Adam consumed the reduced gradient (the full
+    buffer; with node memory only this rank's own part, the sums zeroed the rest)."""
 
     def __init__(
-        self, comm: Comm, layout: Layout, parts: Sequence[Part], allreduce: bool,
-        recv: Mapping[np.dtype, np.ndarray] | None = None, node_sum: NodeSum | None = None,
-        nodes: Nodes | None = None, node_sums: Mapping[np.dtype, np.ndarray] | None = None,
+        self, comm: Comm, parts: Sequence[Part], grads: FlatArrays,
+        at_step: Sequence[Backend], per_micro: Sequence[Backend | None] = (),
+        to_zero: Sequence[np.ndarray] = (),
     ) -> None:  # fmt: skip
-        self.comm, self.layout, self.parts, self.allreduce = comm, layout, parts, allreduce
-        self.split = bool(recv)
-        self.node_sum = node_sum
+        self.comm, self.parts, self.grads = comm, parts, grads
+        self.at_step, self.per_micro, self.to_zero = at_step, per_micro, to_zero
+        #: Per bucket, the backend of its reduction at ``step()``.
+        self.backends = at_step
         #: Per bucket, its statistics when its reduction computed them (one node).
         self.fused: list[Stats] = [None] * len(parts)
-        if node_sum is not None:  # stage 1 in node shared memory (never 16-bit)
-            self._plan_node(nodes, node_sums)  # type: ignore[arg-type]
-            return
-        if self.split:
-            assert recv is not None
-            width = {d: comm.size * layout.max_part(d) for d in recv}
+        self.micro = 0  # micro-batches folded into the reduced shards (per_micro only)
 
-            def region(i: int, b: Bucket) -> np.ndarray:  # window slot i % REDUCE_WINDOW
-                lo = (i % REDUCE_WINDOW) * width[b.dtype]
-                return recv[b.dtype][lo : lo + comm.size * b.counts[comm.rank]]
+    def block(self, found: Found) -> Block:
+        """Views into the full gradient buffer (nothing happens on exit)."""
+        _, names, _ = found
+        return Block({n: self.grads[n] for n in names})
 
-            self.planned = [
-                comm.plan_alltoallv(p.full_grad, b.counts, b.displs, region(i, b), p.index)  # type: ignore[arg-type]
-                for i, (p, b) in enumerate(zip(parts, layout.buckets, strict=True))
-            ]  # fmt: skip
-        else:
-            self.planned = [] if allreduce else [
-                comm.plan_reduce_scatter(p.full_grad, b.counts, tag=p.index)  # type: ignore[arg-type]
-                for p, b in zip(parts, layout.buckets, strict=True)
-            ]  # fmt: skip
-        self.micro = 0  # micro-batches folded into the reduced shards (16-bit only)
+    def _window(self, backends: Sequence[Backend | None], add: bool, visit: Visit) -> None:
+        """Every bucket's reduction (``None``: none), :data:`REDUCE_WINDOW` in flight;
+        ``visit(i)`` once bucket ``i``'s is complete."""
+        n = len(backends)
 
-    def _plan_node(self, nodes: Nodes, node_sums: Mapping[np.dtype, np.ndarray]) -> None:
-        """Over several nodes: per bucket, where the node's sum of this rank's region
-        goes (slot ``index % REDUCE_WINDOW`` of ``node_sums``) and the cross-node
-        reduce-scatter of it into the shard."""
-        self.node_views: list[np.ndarray] = []
-        self.planned = []
-        if nodes.count == 1:
-            return
-        cross, peers = nodes.cross, nodes.peers
-        assert cross is not None
-        wide = {d: a.shape[0] // REDUCE_WINDOW for d, a in node_sums.items()}
-        for i, (p, b) in enumerate(zip(self.parts, self.layout.buckets, strict=True)):
-            counts = [b.counts[r] for r in peers]
-            lo = (i % REDUCE_WINDOW) * wide[b.dtype]
-            self.node_views.append(node_sums[b.dtype][lo : lo + sum(counts)])
-            self.planned.append(cross.plan_reduce_scatter(self.node_views[-1], counts, p.grad, i))
+        def start(i: int) -> InFlight | None:
+            backend = backends[i]
+            if backend is None:
+                return None
+            flight = backend.start(self.parts[i].full_grad, i % REDUCE_WINDOW, add)  # type: ignore[arg-type]
+            self.fused[i] = backend.stats
+            return flight
+
+        started = [start(i) for i in range(min(REDUCE_WINDOW, n))]
+        for index in range(n):
+            flight = started[index]
+            if flight is not None:
+                flight.wait()
+            if index + REDUCE_WINDOW < n:  # its receive region is free again
+                started.append(start(index + REDUCE_WINDOW))
+            visit(index)
 
     def end_micro_batch(self) -> None:
-        """Gradients keep summing in the full buffers; 16-bit ones are reduced now."""
-        if not self.split:
+        """Gradients keep summing in the full buffers; narrower ones are reduced now
+        (collective) and their buffers zeroed."""
+        if not self.per_micro:
             return
-        n, comm = len(self.parts), self.comm
-        started = [self.planned[i].start() for i in range(min(REDUCE_WINDOW, n))]
-        for index, part in enumerate(self.parts):
-            sum_received(part.stats, started[index].wait(), comm.size, self.micro > 0)
-            part.full_grad.fill(0)  # type: ignore[union-attr]
-            if index + REDUCE_WINDOW < n:  # its receive region is free again
-                started.append(self.planned[index + REDUCE_WINDOW].start())
+
+        def zero(index: int) -> None:
+            if self.per_micro[index] is not None:
+                self.parts[index].full_grad.fill(0)  # type: ignore[union-attr]
+
+        self._window(self.per_micro, self.micro > 0, zero)
         self.micro += 1
+
+    fold = end_micro_batch
 
     def flush(self) -> None:
         """Nothing is staged: the full buffers are reduced at ``step()``."""
 
-    def _start(self, index: int) -> Pending:
-        part = self.parts[index]
-        buf = part.full_grad
-        assert buf is not None
-        if self.node_sum is not None:  # within the node from shared memory (then across)
-            base, first = self.layout.buckets[index].start, index == 0
-            if not self.planned:  # one node: the sum is the reduced gradient
-                self.fused[index] = self.node_sum(index, base, part.grad, False, first, True)
-                return Pending.done(part.grad)
-            self.node_sum(index, base, self.node_views[index], False, first, True)
-            return self.planned[index].start()
-        if self.split:  # reduced already; stage 0 gathers the reduced shards
-            if self.allreduce:
-                bucket = self.layout.buckets[index]
-                self.comm.allgatherv_inplace(part.grad, bucket.counts, bucket.displs, tag=index)
-            return Pending.done(part.grad)
-        if self.allreduce:
-            self.comm.allreduce_inplace(buf, tag=index)
-            return Pending.done(buf)
-        return self.planned[index].start()
-
     def reduce(self, visit: Visit) -> None:
-        n = len(self.parts)
-        started = [self._start(i) for i in range(min(REDUCE_WINDOW, n))]
-        for index in range(n):
-            started[index].wait()
-            if index + REDUCE_WINDOW < n:
-                started.append(self._start(index + REDUCE_WINDOW))
-            visit(index)
+        self._window(self.at_step, False, visit)
 
     def consumed(self) -> None:
-        """After Adam: the full gradients were reduced in place; start from zero. In
-        node shared memory the sums zeroed what they read, but this rank's own shard
-        (the step's agreement came after every rank's sums: none still writes)."""
+        """After Adam: start the next step from zero."""
         self.micro = 0
         self.fused = [None] * len(self.parts)
-        if self.split:
-            return  # zeroed at every micro-batch; the reduced shards are overwritten
-        for part in self.parts:
-            assert part.full_grad is not None
-            (part.full_grad if self.node_sum is None else part.grad).fill(0)
+        for buf in self.to_zero:
+            buf.fill(0)
 
     def discard(self) -> None:
         self.micro = 0
         self.fused = [None] * len(self.parts)
         for part in self.parts:
-            assert part.full_grad is not None
-            part.full_grad.fill(0)
+            part.full_grad.fill(0)  # type: ignore[union-attr]
 
     def close(self) -> None:
         pass
 
 
-class _Reduction(NamedTuple):
-    """A started reduce-scatter of bucket ``index``: into the shard directly
-    (``add=False``, its first of the step) or in place, to be added to the shard."""
-
-    index: int
-    pending: Pending
-    add: bool
-    slot: int | None  # staging slot it reads, or None
-    #: A 16-bit reduction: ``pending`` delivers every rank's part of the bucket, to be
-    #: summed here in the master dtype.
-    split: bool = False
+#: Stage 2's full buffers (``opt.grads``) and their per-bucket backends, made on first use.
+MakeFull = Callable[[], tuple[FlatArrays, Mapping[np.dtype, np.ndarray], Sequence[Backend]]]
 
 
-class StreamReducer:
-    """Stages 2-3: gradients handed over bucket by bucket into ``slots`` staging
-    slots (``staging[dtype]``, ``slots`` buckets of the largest size of that dtype).
-
-    ``segments`` (node shared memory, one part per rank of ``nodes.node``) makes the
-    reduction hierarchical: after a node fence each rank sums its region (its own
-    shard with one node; over several, the shards of its local index on every node,
-    :class:`zerompi.mpi.nodes.Nodes`) straight from its node's staging slots, into
-    the shard (one node) or into ``node_sums`` (a slot-sized buffer per dtype) that
-    the cross-node communicator then reduce-scatters into the shard."""
+class StagedGradients:
+    """Stages 2-3: gradients handed over bucket by bucket into ``slots`` staging slots
+    (``staging[dtype]``: ``slots`` buckets of the largest size of that dtype), each
+    reduced through ``backends[index]`` as soon as every parameter of the bucket was
+    handed over. ``on_exit(found)`` runs when an ``opt.gradients`` block ends (the
+    optimizer's guarded hand-over, which calls :meth:`handed_over`); ``make_full``
+    (stage 2) adds the full buffers of ``opt.grads``."""
 
     def __init__(
-        self, comm: Comm, layout: Layout, parts: Sequence[Part],
-        staging: Mapping[np.dtype, np.ndarray], slots: int,
-        segments: Mapping[np.dtype, SharedSegment] | None,
-        make_full: Callable[[], Mapping[np.dtype, np.ndarray]] | None = None,
-        recv: Mapping[np.dtype, np.ndarray] | None = None,
-        nodes: Nodes | None = None, node_sums: Mapping[np.dtype, np.ndarray] | None = None,
+        self, comm: Comm, layout: Layout, parts: Sequence[Part], names: Names,
+        staging: Mapping[np.dtype, np.ndarray], slots: int, backends: Sequence[Backend],
+        on_exit: Callable[[Found], None], make_full: MakeFull | None = None,
     ) -> None:  # fmt: skip
-        self.comm, self.layout, self.parts = comm, layout, parts
-        self.slots, self.nodes = slots, nodes
-        #: Over several nodes, per slot and bucket, where the node's sum of this
-        #: rank's region goes (what the cross-node reduce-scatter sends), and per
-        #: bucket the cross-node counts.
-        self.node_views: list[list[np.ndarray]] = []
-        self.cross_counts: list[list[int]] = []
-        self.node_sum = None if segments is None or nodes is None else (
-            NodeSum(comm, layout, nodes, segments))  # fmt: skip
+        self.comm, self.layout, self.parts, self.names = comm, layout, parts, names
+        self.slots, self.backends, self.on_exit = slots, backends, on_exit
+        self.make_full = make_full
         #: Per bucket, its statistics when its reduction computed them (one node).
         self.fused: list[Stats] = [None] * len(parts)
-        if segments is not None and nodes is not None and nodes.count > 1:
-            assert node_sums is not None
-            peers = nodes.peers
-            self.cross_counts = [[b.counts[r] for r in peers] for b in layout.buckets]
-            wide = {d: a.shape[0] // slots for d, a in node_sums.items()}
-            self.node_views = [
-                [node_sums[b.dtype][s * wide[b.dtype] : s * wide[b.dtype] + sum(c)]
-                 for b, c in zip(layout.buckets, self.cross_counts, strict=True)]
-                for s in range(slots)
-            ]  # fmt: skip
-        #: 16-bit gradients over MPI: per dtype, ``slots`` regions of every rank's part
-        #: of a bucket (see :func:`zerompi.buffers.buffer_plan`).
-        self.recv: Mapping[np.dtype, np.ndarray] = {}
-        self.use_recv(recv or {})
         width = {d: max((b.size for b in layout.buckets if b.dtype == d), default=0)
                  for d in staging}  # fmt: skip
-        #: views[slot][index]: bucket index's staging buffer in slot
+        #: offsets[slot][index]: where bucket index's staging buffer starts in slot
         self.offsets = [[s * width[b.dtype] for b in layout.buckets] for s in range(slots)]
         buckets = layout.buckets
+        #: views[slot][index]: bucket index's staging buffer in slot
         self.views = [
             [staging[b.dtype][off : off + b.size] for b, off in zip(buckets, row, strict=True)]
             for row in self.offsets
         ]
-        self.names = [frozenset(b.names) for b in layout.buckets]
+        self.bucket_names = [frozenset(b.names) for b in layout.buckets]
         self.reductions = [0] * len(parts)  # per bucket, this step
         self.open: int | None = None  # bucket whose gradients fill the open slot
         self.slot = 0
@@ -241,25 +163,54 @@ class StreamReducer:
         self.clean = {d: [0] * slots for d in staging}
         #: its parameters not handed over yet (``None``: all of them)
         self.pending: set[str] | None = None
-        self.inflight: list[_Reduction] = []
-        #: Stage 2's full gradient buffers (``opt.grads``), reduced at every
-        #: ``end_micro_batch`` once every rank agreed to use them.
+        self.inflight: list[InFlight] = []
+        #: Stage 2's full gradient buffers (``opt.grads``) and their backends,
+        #: reduced at every ``end_micro_batch`` once every rank agreed to use them.
         self.full: Mapping[np.dtype, np.ndarray] | None = None
+        self.full_backends: Sequence[Backend] = ()
+        self._grads: FlatArrays | None = None
         self.full_mode: bool | None = None  # decided once, collectively
-        self.make_full = make_full  # allocates ``full`` (stage 2)
-        #: planned[slot or -1 for ``full``][2 * bucket + add]: its prepared
-        #: reduce-scatter and the in-flight entry that goes with it, made on first use
-        self.planned: list[list[tuple[Planned, _Reduction] | None]] = [
-            [None] * (2 * len(parts)) for _ in range(slots + 1)
-        ]
-
-    def use_recv(self, recv: Mapping[np.dtype, np.ndarray]) -> None:
-        """Receive regions for 16-bit reductions over MPI (region ``slot`` of width
-        ``world size x largest part``)."""
-        self.recv = recv
-        self.recv_width = {d: self.comm.size * self.layout.max_part(d) for d in recv}
+        #: per slot, a whole bucket's cached blocks
+        self.blocks: list[list[Block | None]] = [[None] * len(parts) for _ in range(slots)]
 
     # -- hand-over ----------------------------------------------------------------
+
+    @property
+    def grads(self) -> FlatArrays:
+        """Stage 2's full-size gradient views, allocated on first use, which must come
+        before the first ``accumulate()``/``step()`` on that rank: the ranks agree once,
+        then, whether to reduce them."""
+        if self.make_full is None:
+            raise AttributeError(
+                "stage 3 has no full gradient: add gradients inside "
+                "`with opt.gradients(names) as g`"
+            )
+        if self.full is None:
+            if self.full_mode is False:
+                raise RuntimeError(
+                    "stage 2: opt.grads used for the first time after the first "
+                    "accumulate()/step(): the ranks agreed then not to reduce full "
+                    "gradients. Touch opt.grads before the first step on any rank that "
+                    "uses it, or hand gradients over with opt.gradients(names)"
+                )
+            self._grads, self.full, self.full_backends = self.make_full()
+        assert self._grads is not None
+        return self._grads
+
+    def block(self, found: Found) -> Block:
+        """The staging views of ``found``'s parameters; on exit they are handed over."""
+        index, names, whole = found
+        if index < 0:
+            single_bucket(self.layout, names, "gradients", 2 if self.make_full else 3)
+        buf = self.begin(index)
+        if not whole:
+            return Block(self.names.views(buf, index, names), self.on_exit, found)
+        cache = self.blocks[self.slot]
+        block = cache[index]
+        if block is None:
+            views = self.names.views(buf, index, names)
+            block = cache[index] = Block(views, self.on_exit, (index, None, True))
+        return block
 
     def begin(self, index: int) -> np.ndarray:
         """The staging buffer to add bucket ``index``'s gradients into: the open one,
@@ -292,7 +243,7 @@ class StreamReducer:
             return  # already started: a later bucket was begun
         if names is not None:
             if self.pending is None:
-                self.pending = set(self.names[self.open])  # type: ignore[index]
+                self.pending = set(self.bucket_names[index])
             self.pending.difference_update(names)
             if self.pending:
                 return
@@ -302,7 +253,7 @@ class StreamReducer:
         """Start reducing the open staging bucket into the gradient shard."""
         if self.open is not None:
             index, self.open = self.open, None
-            self._start(index, self.views[self.slot][index], self.slot)
+            self._start(index, self.backends[index], self.views[self.slot][index], self.slot)
 
     def end_micro_batch(self) -> None:
         self.flush()
@@ -310,73 +261,37 @@ class StreamReducer:
             self.full_mode = bool(self.comm.max(int(self.full is not None)))
         if self.full_mode:
             if self.full is None:  # another rank uses opt.grads: reduce ours too
-                assert self.make_full is not None
-                self.full = self.make_full()
-            if self.recv:  # 16-bit: the full buffers' reductions use receive region 0
+                self.grads  # noqa: B018 (allocates them)
+            assert self.full is not None
+            backends = self.full_backends
+            if any(b.one_region for b in backends):  # receive region 0: the slots' too
                 self._complete(len(self.inflight))
             for index, bucket in enumerate(self.layout.buckets):
-                self._start(index, self.full[bucket.dtype][bucket.start : bucket.stop], None)
+                src = self.full[bucket.dtype][bucket.start : bucket.stop]
+                self._start(index, backends[index], src, None)
+                if backends[index].one_region:  # one receive region: one at a time
+                    self._complete(len(self.inflight))
             self._complete(len(self.inflight))
             for grad in self.full.values():
                 grad.fill(0)
 
+    def fold(self) -> None:
+        """Nothing to fold: staged gradients are reduced per bucket as they arrive."""
+
     # -- reduction --------------------------------------------------------------
 
-    def _start(self, index: int, buf: np.ndarray, slot: int | None) -> None:
-        """Collective: start reduce-scattering ``buf`` (bucket ``index``) into its
-        gradient shard. The first reduction of a step lands in the shard directly,
-        later ones (micro-batches) are added."""
-        shard = self.parts[index].grad
+    def _start(self, index: int, backend: Backend, src: np.ndarray, slot: int | None) -> None:
+        """Collective: start reducing ``src`` (bucket ``index``) into its gradient
+        shard. The first reduction of a step lands in the shard directly, later ones
+        (micro-batches) are added."""
         add = self.reductions[index] > 0
         self.reductions[index] += 1
-        self.fused[index] = None
-        if self.node_sum is not None and slot is not None:
-            if not self.node_views:  # one node: summed into the shard, done
-                self.fused[index] = self._shared_reduce(index, slot, shard, add)
-                return
-            buf = self.node_views[slot][index]
-            self._shared_reduce(index, slot, buf, False)  # then across nodes, by MPI
-        row = self.planned[-1 if slot is None else slot]
-        made = row[2 * index + add]
-        if made is None:
-            made = row[2 * index + add] = self._plan(index, buf, slot, add, shard)
-        made[0].start()  # (starts made[1].pending, which a planned collective reuses)
-        self.inflight.append(made[1])
-        if slot is None and made[1].split:
-            self._complete(len(self.inflight))  # full buffers share one receive region
-
-    def _plan(
-        self, index: int, buf: np.ndarray, slot: int | None, add: bool, shard: np.ndarray
-    ) -> tuple[Planned, _Reduction]:
-        """The prepared collective of bucket ``index`` from ``buf``: a reduce-scatter
-        into the shard, or (16-bit gradients) an alltoallv of every rank's part."""
-        bucket, comm = self.layout.buckets[index], self.comm
-        if self.node_views and slot is not None:  # the node sums, across nodes
-            cross = self.nodes.cross  # type: ignore[union-attr]
-            assert cross is not None
-            counts = self.cross_counts[index]
-            planned = cross.plan_reduce_scatter(buf, counts, None if add else shard, index)
-            return planned, _Reduction(index, planned.pending, add, slot)
-        if bucket.dtype in self.recv:
-            width = self.recv_width[bucket.dtype]
-            lo = (slot or 0) * width
-            mine = bucket.counts[comm.rank]
-            recv = self.recv[bucket.dtype][lo : lo + comm.size * mine]
-            planned = comm.plan_alltoallv(buf, bucket.counts, bucket.displs, recv, index)
-            return planned, _Reduction(index, planned.pending, add, slot, split=True)
-        planned = comm.plan_reduce_scatter(buf, bucket.counts, None if add else shard, index)
-        return planned, _Reduction(index, planned.pending, add, slot)
-
-    def _shared_reduce(self, index: int, slot: int, out: np.ndarray, add: bool) -> Stats:
-        """Blocking: this rank's region of bucket ``index`` summed over the node's
-        staging slots into ``out`` and zeroed (:class:`zerompi.nodesum.NodeSum`), and
-        one more node fence with a single slot, before a rank of the node reuses it."""
-        stats = self.node_sum(index, self.offsets[slot][index], out, add, True, True)  # type: ignore[misc]
-        bucket = self.layout.buckets[index]
-        self.clean[bucket.dtype][slot] = bucket.size  # every rank zeroed its region
-        if self.slots == 1:
-            self.nodes.node.fence()  # type: ignore[union-attr]  # every rank has read it
-        return stats
+        flight = backend.start(src, slot, add)
+        self.fused[index] = backend.stats
+        if backend.clears and slot is not None:
+            self.clean[self.layout.buckets[index].dtype][slot] = src.shape[0]
+        if flight is not None:
+            self.inflight.append(flight)
 
     def _complete(self, upto: int) -> None:
         """Finish the ``upto`` oldest started reductions, in the order started."""
@@ -384,14 +299,8 @@ class StreamReducer:
             done, self.inflight = self.inflight, []
         else:
             done, self.inflight = self.inflight[:upto], self.inflight[upto:]
-        for reduction in done:
-            reduced = reduction.pending.wait()
-            if reduction.split:  # every rank's part: summed here, in the master dtype
-                target = self.parts[reduction.index].grad
-                sum_received(target, reduced, self.comm.size, reduction.add)
-            elif reduction.add:
-                target = self.parts[reduction.index].grad
-                np.add(target, reduced, out=target)
+        for flight in done:
+            flight.wait()
 
     def _release(self, slot: int) -> None:
         """Wait until no started reduction still reads staging slot ``slot``."""

@@ -19,14 +19,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from ..buffers import Kind
 from ..mpi.bare import idle_barrier
 from ..mpi.collectives import Comm
-from ..optimizer import PHASES
+from ..plan import Reduce
 from ..runtime import clock
+from ..timings import PHASES
 from .model import LR, deferred_model
 
 if TYPE_CHECKING:
-    from .. import ZeroOptimizer
+    from ..optimizer import ZeroOptimizer
 
 T = TypeVar("T")
 
@@ -98,7 +100,7 @@ def bench_stage(
     are cast to the reduce dtype once, beforehand, as a model would produce them)."""
     dtype = np.dtype(args.dtype)
     params = sum(sizes)
-    from .. import ZeroOptimizer
+    from ..optimizer import ZeroOptimizer
 
     opt = ZeroOptimizer(
         deferred_model(sizes, args.seed, dtype),
@@ -112,14 +114,14 @@ def bench_stage(
         loss_scale=1.0 if precision[1] else None,
     )
     if precision[1]:
-        low = next(iter(opt.precisions.values())).reduce
+        low = next(iter(opt.engine.precisions.values())).reduce
         grads = {name: g.astype(low) for name, g in grads.items()}
     shared = opt.shared_memory
-    node_shared = "params" in opt.plan.node_kinds
+    node_shared = Kind.PARAMS in opt.engine.plan.node_memory
     # the reduction's pass also took the gradient statistics (one node, node memory,
     # gradients in the master dtype: zerompi.nodesum)
-    node_sum = opt.reducer.node_sum
-    stats_fused = bool(node_sum is not None and node_sum.final and not precision[1])
+    fused = opt.engine.plan.reduce is Reduce.NODE_SUM and opt.nodes.count == 1
+    stats_fused = bool(fused and not precision[1])
     names = list(grads)
     step_s: list[float] = []
     wall_s: list[float] = []

@@ -1,14 +1,14 @@
-"""Single-file, world-size independent checkpoints of a :class:`zerompi.ZeroOptimizer`.
+"""Single-file, world-size independent checkpoints of a zerompi optimizer.
 
 * :mod:`.format`: the file format (header, checksums) and the numpy-only reader
   (:func:`read`, :func:`verify`, :func:`read_header`, export to ``.npz``);
 * :mod:`.collective`: :func:`save` and :func:`load` (behind ``ZeroOptimizer.save`` /
-  ``ZeroOptimizer.load``), collective MPI-IO through the optimizer's
-  :class:`zerompi.mpi.collectives.Comm` and the optimizer's public state interface;
+  ``ZeroOptimizer.load``), collective MPI-IO through the engine's communicator and
+  the state functions of :mod:`zerompi.state`;
 * :mod:`.__main__`: the command line, ``python -m zerompi.checkpoint
   {inspect,verify,export} PATH``.
 
-Importing this package imports neither mpi4py nor the optimizer: :mod:`.collective`
+Importing this package imports neither mpi4py nor the engine: :mod:`.collective`
 is imported on the first call of :func:`save`, :func:`load` or
 :func:`check_compatible`, so checkpoints can be read and checked without MPI.
 """
@@ -68,28 +68,29 @@ __all__ = [
 ]
 
 
-def save(opt: Any, path: str | os.PathLike) -> None:
-    """Collective: write ``opt``'s full state to ``path`` (see ``ZeroOptimizer.save``
-    and :func:`zerompi.checkpoint.collective.save`)."""
+def save(engine: Any, path: str | os.PathLike) -> None:
+    """Collective: write the state of ``engine`` (an optimizer's
+    :class:`zerompi.engine.Engine`, ``opt.engine``) to ``path`` (see
+    ``ZeroOptimizer.save`` and :func:`zerompi.checkpoint.collective.save`)."""
     from . import collective
 
-    collective.save(opt, path)
+    collective.save(engine, path)
 
 
-def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
-    """Collective: restore ``opt``'s state from ``path`` and return the header (see
-    ``ZeroOptimizer.load`` and :func:`zerompi.checkpoint.collective.load`)."""
+def load(engine: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """Collective: restore the state of ``engine`` from ``path`` and return the
+    header (see ``ZeroOptimizer.load`` and :func:`zerompi.checkpoint.collective.load`)."""
     from . import collective
 
-    return collective.load(opt, path)
+    return collective.load(engine, path)
 
 
-def check_compatible(opt: Any, header: dict[str, Any], path: str) -> None:
-    """Raise :class:`CheckpointError` unless the checkpoint holds exactly ``opt``'s
-    parameters (names, shapes, dtypes, order)."""
+def check_compatible(engine: Any, header: dict[str, Any], path: str) -> None:
+    """Raise :class:`CheckpointError` unless the checkpoint holds exactly the
+    engine's parameters (names, shapes, dtypes, order)."""
     from . import collective
 
-    collective.check_compatible(opt, header, path)
+    collective.check_compatible(engine, header, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

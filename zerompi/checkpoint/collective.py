@@ -1,36 +1,30 @@
-"""Collective save and load of a :class:`zerompi.ZeroOptimizer` with MPI-IO.
+"""Collective save and load of a zerompi optimizer's state with MPI-IO.
 
 Every rank writes (and reads) only its own shards, at their offsets in the single
-file of :mod:`zerompi.checkpoint.format`; the MPI calls go through the optimizer's
+file of :mod:`zerompi.checkpoint.format`; the MPI calls go through the engine's
 :class:`zerompi.mpi.collectives.Comm` (``open_file``, ``write_at_all``,
-``read_at_all``, ``sum_uint64``, ``agree``, ...), so this module imports no MPI itself.
+``read_at_all``, ``sum_uint64``, ``verdict``, ...), so this module imports no MPI
+itself.
 
-The optimizer is used through its public state interface only, never through its
-private attributes:
+The optimizer is reached through its :class:`zerompi.engine.Engine` and the state
+functions of :mod:`zerompi.state` only (``param_entries``, ``state_sections``,
+``state_shards``, ``publish_state``, ``set_counters``, ``hyperparameters``,
+``precision_settings``, ``set_loss_scale``), never through private attributes.
 
-* ``opt.param_entries()``: ``(name, shape, dtype, offset)`` of every parameter;
-* ``opt.state_sections()``: the section names, in file order;
-* ``opt.state_shards()``: ``(section, first global element, writable shard view)``
-  in one fixed order that every rank's collective I/O follows;
-* ``opt.publish_state()``: collective, after the shards were overwritten;
-* ``opt.set_counters(step, skipped_steps)``, ``opt.hyperparameters()``,
-  ``opt.precision_settings()`` and ``opt.set_loss_scale(settings)``;
-* the attributes ``comm``, ``layout`` (``sizes``, ``buckets``), ``stage``,
-  ``step_count`` and ``skipped_steps``.
-
-Errors are agreed on (``comm.agree``): when anything fails on any rank, every rank
-raises, and a failed save leaves the previous file at ``path`` untouched, a failed
-load leaves the optimizer untouched.
+Errors are agreed on (:class:`zerompi.mpi.agreement.Verdict`): when anything fails
+on any rank, every rank raises, and a failed save leaves the previous file at
+``path`` untouched, a failed load leaves the optimizer untouched.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import state
 from ..mpi.launch import mark_raised_on_every_rank
 from .format import (
     MASK,
@@ -45,21 +39,24 @@ from .format import (
     sections_by_name,
 )
 
+if TYPE_CHECKING:
+    from ..engine import Engine
+
 Shards = list[tuple[str, int, np.ndarray]]
 
 
-def _layout_params(opt: Any) -> list[dict[str, Any]]:
-    """The header's ``params`` list of ``opt``'s model."""
+def _layout_params(engine: Engine) -> list[dict[str, Any]]:
+    """The header's ``params`` list of the engine's model."""
     return layout_entries(
         [
             (name, tuple(shape), np.dtype(dtype).name, offset)
-            for name, shape, dtype, offset in opt.param_entries()
+            for name, shape, dtype, offset in state.param_entries(engine)
         ]
     )
 
 
-def _sizes(opt: Any) -> dict[str, int]:
-    return {np.dtype(d).name: int(n) for d, n in opt.layout.sizes.items()}
+def _sizes(engine: Engine) -> dict[str, int]:
+    return {np.dtype(d).name: int(n) for d, n in engine.layout.sizes.items()}
 
 
 def _checksums(comm: Any, names: list[str], parts: Shards) -> dict[str, tuple[int, int]]:
@@ -74,81 +71,63 @@ def _checksums(comm: Any, names: list[str], parts: Shards) -> dict[str, tuple[in
     return {n: (int(sums[2 * i]), int(sums[2 * i + 1])) for i, n in enumerate(names)}
 
 
-def _optimizer_entry(opt: Any) -> dict[str, Any]:
+def _optimizer_entry(engine: Engine) -> dict[str, Any]:
     """The header's ``optimizer`` entry: the hyperparameters and the counters."""
     return {
-        **opt.hyperparameters(),
-        **opt.precision_settings(),
-        "step": int(opt.step_count),
-        "skipped_steps": int(opt.skipped_steps),
+        **state.hyperparameters(engine),
+        **state.precision_settings(engine),
+        "step": int(engine.step_count),
+        "skipped_steps": int(engine.skipped_steps),
     }
 
 
-def _save(opt: Any, path: str | os.PathLike) -> None:
-    """Collective: write ``opt``'s full state to ``path`` (see ``ZeroOptimizer.save``)."""
-    comm = opt.comm
+def _save(engine: Engine, path: str | os.PathLike) -> None:
+    """Collective: write the engine's full state to ``path`` (see ``ZeroOptimizer.save``)."""
+    comm = engine.comm
     path = os.fspath(path)
-    error: BaseException | None = None
-    head = b""
-    header: dict[str, Any] = {}
-    names = opt.state_sections()
-    parts = opt.state_shards()
+    names = state.state_sections(engine)
+    parts = state.state_shards(engine)
     sums = _checksums(comm, names, parts)
     token = comm.allgather(f"{os.getpid()}-{secrets.token_hex(6)}" if comm.rank == 0 else None)[0]
     tmp = f"{path}.tmp-{token}"
-    try:
+    verdict = comm.verdict()
+    with verdict:
         require_little_endian()
         head, header = build_header(
-            _layout_params(opt),
-            _sizes(opt),
+            _layout_params(engine),
+            _sizes(engine),
             sums,
-            _optimizer_entry(opt),
-            opt.stage,
+            _optimizer_entry(engine),
+            engine.stage,
             comm.size,
-            max(b.size for b in opt.layout.buckets),
+            max(b.size for b in engine.layout.buckets),
         )
-    except Exception as exc:
-        error = exc
-    comm.agree(error)
     offsets = {s["name"]: s["offset"] for s in header["sections"]}
     fh = None
-    try:
+    with verdict:
         fh = comm.open_file(tmp, "w")
-    except Exception as exc:
-        error = exc
-    comm.agree(error)
     try:
-        try:
+        with verdict.catch():
             comm.set_file_size(fh, 0)
-        except Exception as exc:
-            error = exc
         for name, first, shard in parts:
             itemsize = shard.dtype.itemsize
-            data = shard if error is None else shard[:0]  # keep the collective sequence
-            try:
+            data = shard if verdict.ok else shard[:0]  # keep the collective sequence
+            with verdict.catch():
                 comm.write_at_all(fh, offsets[name] + first * itemsize, data)
-            except Exception as exc:
-                error = error or exc
-        if comm.rank == 0 and error is None:
-            try:
+        if comm.rank == 0 and verdict.ok:
+            with verdict.catch():
                 comm.write_at(fh, 0, np.frombuffer(head, dtype=np.uint8))
-            except Exception as exc:
-                error = exc
-        try:
+        with verdict.catch():
             comm.set_file_size(fh, file_size(header))  # trailing padding, exact length
             comm.sync_file(fh)
-        except Exception as exc:
-            error = error or exc
     finally:
         comm.close_file(fh)
     try:
-        comm.agree(error)  # the write phase
+        verdict.agree()  # the write phase
         if comm.rank == 0:
-            try:
+            with verdict.catch():
                 _commit(tmp, path)
-            except Exception as exc:
-                error = exc
-        comm.agree(error)
+        verdict.agree()
     except Exception:
         if comm.rank == 0:  # never leave the temporary behind; ``path`` is untouched
             try:
@@ -179,10 +158,10 @@ def _commit(tmp: str, path: str) -> None:
         os.close(dfd)
 
 
-def check_compatible(opt: Any, header: dict[str, Any], path: str) -> None:
-    """Raise unless the checkpoint holds exactly ``opt``'s parameters (names, shapes,
-    dtypes, order). Deterministic, no communication: every rank decides alike."""
-    mine = _layout_params(opt)
+def check_compatible(engine: Engine, header: dict[str, Any], path: str) -> None:
+    """Raise unless the checkpoint holds exactly the engine's parameters (names,
+    shapes, dtypes, order). Deterministic, no communication: every rank decides alike."""
+    mine = _layout_params(engine)
     theirs = header["params"]
     if mine != theirs:
         for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
@@ -196,21 +175,20 @@ def check_compatible(opt: Any, header: dict[str, Any], path: str) -> None:
             f"{path} holds a different model: {len(theirs)} parameters in the checkpoint, "
             f"{len(mine)} in this optimizer"
         )
-    sizes = _sizes(opt)
+    sizes = _sizes(engine)
     sections = sections_by_name(header)
     if header["sizes"] != sizes:
         raise CheckpointError(f"{path}: sizes {header['sizes']} differ from this model's {sizes}")
-    for name in opt.state_sections():
+    for name in state.state_sections(engine):
         section = sections.get(name)
         if section is None or section["count"] != sizes[name.rpartition(".")[2]]:
             raise CheckpointError(f"{path}: section {name} is missing or has the wrong size")
 
 
-def _load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
-    """Collective: restore ``opt``'s state from ``path`` (see ``ZeroOptimizer.load``)."""
-    comm = opt.comm
+def _load(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
+    """Collective: restore the engine's state from ``path`` (see ``ZeroOptimizer.load``)."""
+    comm = engine.comm
     path = os.fspath(path)
-    error: BaseException | None = None
     header: Any = None
     if comm.rank == 0:
         try:
@@ -221,29 +199,25 @@ def _load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
     header = comm.allgather(header if comm.rank == 0 else None)[0]
     if isinstance(header, Exception):  # identical on every rank
         raise CheckpointError(f"cannot load checkpoint: {header}")
-    check_compatible(opt, header, path)  # deterministic: same verdict everywhere
+    check_compatible(engine, header, path)  # deterministic: same verdict everywhere
     sections = sections_by_name(header)
-    names = opt.state_sections()
-    targets = opt.state_shards()
+    names = state.state_sections(engine)
+    targets = state.state_shards(engine)
     # Read this rank's shards into scratch copies: nothing is touched until every
     # checksum has been verified.
     scratch = [(name, first, np.empty_like(shard)) for name, first, shard in targets]
+    verdict = comm.verdict()
     fh = None
-    try:
+    with verdict:
         fh = comm.open_file(path, "r")
-    except Exception as exc:
-        error = exc
-    comm.agree(error)
     try:
         for name, first, buf in scratch:
-            target = buf if error is None else buf[:0]  # keep the collective sequence
-            try:
+            target = buf if verdict.ok else buf[:0]  # keep the collective sequence
+            with verdict.catch():
                 comm.read_at_all(fh, sections[name]["offset"] + first * buf.itemsize, target)
-            except Exception as exc:
-                error = error or exc
     finally:
         comm.close_file(fh)
-    comm.agree(error)
+    verdict.agree()
     sums = _checksums(comm, names, scratch)
     bad = [n for n in names if hex_checksum(sums[n]) != sections[n]["checksum"]]
     if bad:  # the sums are allreduced: every rank sees the same list
@@ -254,27 +228,27 @@ def _load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
     for (_, _, shard), (_, _, buf) in zip(targets, scratch, strict=True):
         np.copyto(shard, buf)
     del scratch
-    opt.publish_state()  # full copies consistent again; gradients discarded
+    state.publish_state(engine)  # full copies consistent again; gradients discarded
     optimizer = header["optimizer"]
-    opt.set_counters(int(optimizer["step"]), int(optimizer.get("skipped_steps", 0)))
-    opt.set_loss_scale(optimizer)
+    state.set_counters(engine, int(optimizer["step"]), int(optimizer.get("skipped_steps", 0)))
+    state.set_loss_scale(engine, optimizer)
     return header
 
 
-def save(opt: Any, path: str | os.PathLike) -> None:
-    """Collective: write ``opt``'s full state to ``path`` (see ``ZeroOptimizer.save``).
-    A :class:`CheckpointError` is a collective verdict, raised alike on every rank:
-    marked so, the abort hook prints it once."""
+def save(engine: Engine, path: str | os.PathLike) -> None:
+    """Collective: write the engine's full state to ``path`` (see
+    ``ZeroOptimizer.save``). A :class:`CheckpointError` is a collective verdict,
+    raised alike on every rank: marked so, the abort hook prints it once."""
     try:
-        _save(opt, path)
+        _save(engine, path)
     except CheckpointError as exc:
         raise mark_raised_on_every_rank(exc) from None
 
 
-def load(opt: Any, path: str | os.PathLike) -> dict[str, Any]:
-    """Collective: restore ``opt``'s state from ``path`` (see ``ZeroOptimizer.load``);
-    errors as :func:`save`."""
+def load(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
+    """Collective: restore the engine's state from ``path`` (see
+    ``ZeroOptimizer.load``); errors as :func:`save`."""
     try:
-        return _load(opt, path)
+        return _load(engine, path)
     except CheckpointError as exc:
         raise mark_raised_on_every_rank(exc) from None

@@ -12,7 +12,7 @@ from ..mpi.collectives import Comm
 from ..mpi.launch import end_process
 
 if TYPE_CHECKING:
-    from .. import ZeroOptimizer
+    from ..optimizer import ZeroOptimizer
 
 
 def checkpoint_path(prefix: str, step: int) -> str:

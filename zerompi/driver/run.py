@@ -21,7 +21,7 @@ from . import training
 from .verify import failure_message, verify
 
 if TYPE_CHECKING:
-    from .. import ZeroOptimizer
+    from ..optimizer import ZeroOptimizer
 
 
 def run(args: argparse.Namespace, comm: Comm, rss_floor: int | None = None) -> int:

@@ -23,14 +23,14 @@ from ..adam import KERNEL
 from ..elastic import RankLost
 from ..mpi.collectives import Comm
 from ..mpi.launch import library_version
-from ..optimizer import PHASES
 from ..partition import shard_range
 from ..precision import LossScale
 from ..runtime import clock, current_rss_bytes
+from ..timings import PHASES
 from .checkpoints import resume_path, save_checkpoint, survived
 
 if TYPE_CHECKING:
-    from .. import ZeroOptimizer
+    from ..optimizer import ZeroOptimizer
 
 #: The collectives whose traffic ``comm_bytes`` reports (``Comm.pop_traffic`` ops), and
 #: an elastic run's snapshots (a mean over steps: they are sent every K steps).
@@ -82,7 +82,8 @@ def micro_batch(
     loss, delta = mlp.loss_grad(acts.pop(), y, scale)
     # A scaled gradient may overflow its 16-bit dtype: step() skips it and lowers the
     # loss scale, which is the point; numpy need not warn about it.
-    quiet = np.errstate(over="ignore", invalid="ignore") if opt.scaler else contextlib.nullcontext()
+    scaled = opt.engine.scaler is not None
+    quiet = np.errstate(over="ignore", invalid="ignore") if scaled else contextlib.nullcontext()
     with quiet:
         for i in range(last, -1, -1):
             with opt.gathered(names[i]) as p, opt.gradients(names[i]) as g:
@@ -135,7 +136,7 @@ def _median(values: np.ndarray) -> float:
 
 def make_optimizer(args: argparse.Namespace, comm: Comm) -> ZeroOptimizer:
     """Collective: the optimizer over the MLP of ``args`` (not yet resumed)."""
-    from .. import ZeroOptimizer
+    from ..optimizer import ZeroOptimizer
 
     dtype = np.dtype(args.dtype)
     sizes = mlp.layer_sizes(args.in_dim, args.hidden, args.depth, args.classes)
@@ -342,7 +343,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         "comm_bytes_max": {op: int(comm.max(v)) for op, v in step_sent.items()},
         "comm_bytes_between_nodes": {op: comm.sum(v) / world for op, v in step_between.items()},
         "nodes": [opt.nodes.count, opt.nodes.size],
-        "comm_bytes_theory": comm_theory(args, params, world, not opt.plan.full_params),
+        "comm_bytes_theory": comm_theory(args, params, world, not opt.engine.plan.full_params),
         "param_dtype": args.param_dtype or args.dtype,
         "reduce_dtype": args.reduce_dtype or args.dtype,
         "loss_scales": scales.tolist(),

@@ -33,7 +33,7 @@ from ..runtime import clock
 from .training import loss_scale_arg, micro_batch_rows
 
 if TYPE_CHECKING:
-    from .. import ZeroOptimizer
+    from ..optimizer import ZeroOptimizer
 
 #: Largest accepted ``max_abs_diff / max|reference param|`` of ``--verify``.
 TOLERANCE = {"float32": 1e-4, "float64": 1e-10}

@@ -2,8 +2,8 @@
 
 :func:`estimate` builds the same :class:`zerompi.partition.Layout` the optimizer
 builds (same buckets, same ``shard_range`` counts) and reads the same buffer plan
-(:func:`zerompi.buffers.buffer_plan`, which ``ZeroOptimizer._allocate`` iterates
-over to allocate), so its figures are the optimizer's ``memory_usage()`` and
+(:func:`zerompi.plan.buffer_plan`, which :func:`zerompi.engine.build_engine`
+allocates from), so its figures are the optimizer's ``memory_usage()`` and
 ``memory_buffers()`` to the byte, for any world size and rank, in one process and
 without allocating or communicating anything.
 
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .. import mlp
-from ..buffers import CATEGORIES, buffer_plan, full_grads_plan, node_share
+from ..buffers import CATEGORIES, Kind, Placement, node_share
 from ..elastic import buddy_ranks, snapshot_bytes, snapshot_plan
 from ..partition import (
     DEFAULT_BUCKET_ELEMS,
@@ -48,7 +48,7 @@ from ..partition import (
     default_group,
     optimizer_layout,
 )
-from ..plan import stage_plan
+from ..plan import buffer_plan, full_grads_plan, stage_plan
 from ..precision import Precision, precisions, resolve_dtype
 from .traffic import step_traffic
 
@@ -58,7 +58,8 @@ Spec = tuple[str, tuple[int, ...], np.dtype]
 #: Kinds of planned buffer that are the ZeRO paper's model states; every other
 #: buffer (staging, gather, scratch) is counted in ``buffers_bytes``.
 MODEL_STATES = (
-    "params", "params_low", "master", "grads", "grads_reduced", "exp_avg", "exp_avg_sq"
+    Kind.PARAMS, Kind.PARAMS_LOW, Kind.MASTER, Kind.GRADS, Kind.GRADS_REDUCED, Kind.EXP_AVG,
+    Kind.EXP_AVG_SQ,
 )  # fmt: skip
 
 #: Per stage, (unsharded, sharded) arrays of the four model states: the paper's
@@ -203,7 +204,9 @@ def estimate(
     per_node = ranks_per_node or world_size
     shared = uses_shared(False if elastic else shared_memory, stage, world_size, per_node)
     count, local, peers = node_of(world_size, rank, per_node)
-    plan = buffer_plan(layout, stage, overlap, precs, shared, peers if count > 1 else None)
+    low = any(p.low_grads for p in precs.values())
+    stage_kinds = stage_plan(stage, shared, count == 1, low)
+    plan = buffer_plan(layout, stage_kinds, overlap, precs, peers if count > 1 else None)
     if full_grads and stage == 2:
         plan += full_grads_plan(layout, precs, shared)
     traffic = step_traffic(layout, stage, precs, shared, per_node)
@@ -218,13 +221,12 @@ def estimate(
             "sent_between": round(sent / snapshot_every) * far[0],
             "received_between": round(received / snapshot_every) * far[1],
         }  # fmt: skip
-    node_kinds = stage_plan(stage, shared, count == 1).node_kinds
     usage = dict.fromkeys(CATEGORIES, 0)
     buffers: dict[str, int] = {}
     exact = 0
     for buf in plan:
         nbytes = buf.nbytes
-        if buf.kind in node_kinds:  # this rank's share of its node's copy
+        if buf.placement is Placement.NODE_COPY:  # this rank's share of its node's copy
             nbytes = node_share(nbytes, per_node, local)
         usage[buf.category] += nbytes
         buffers[buf.name] = nbytes
@@ -258,7 +260,7 @@ def estimate(
 
 
 def uses_shared(asked: bool | None, stage: int, world_size: int, ranks_per_node: int) -> bool:
-    """Whether an optimizer uses node shared memory (:func:`zerompi.plan.choose_shared`,
+    """Whether an optimizer uses node shared memory (:func:`zerompi.engine.choose_shared`,
     assuming room in ``/dev/shm``): not at stage 0, not when ``asked`` is ``False``,
     by default only with more than one rank per node, and only with nodes of equal
     size."""
@@ -356,13 +358,3 @@ def mlp_specs(
         specs.append((f"layer{i}.weight", (fan_in, fan_out), dtype))
         specs.append((f"layer{i}.bias", (fan_out,), dtype))
     return specs
-
-
-# -- command line -----------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m zerompi.memory`` (see :mod:`zerompi.memory.cli`)."""
-    from .cli import main as cli_main
-
-    return cli_main(argv)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..partition import Layout
-from ..precision import Precision, is_half
+from ..precision import Precision
 
 Books = dict[str, dict[str, int]]
 
@@ -51,7 +51,7 @@ def step_traffic(
     nodes = -(-world // per)
     peers = [n * per + local for n in range(nodes) if n * per + local < world]
     books: Books = {}
-    low_any = any(is_half(p.reduce) for p in precisions.values())  # stage 1 reduces by MPI
+    low_any = any(p.low_grads for p in precisions.values())  # stage 1 reduces by MPI
 
     def between(op: str, counts: list[int], it: int) -> tuple[int, int]:
         mine = counts[rank]
@@ -69,7 +69,7 @@ def step_traffic(
         rs_textbook = ((size - mine) * r, (world - 1) * mine * r)
         ag_textbook = ((world - 1) * mine * p, (size - mine) * p)
         # -- the reduction
-        if stage == 0 and not is_half(prec.reduce):  # an Allreduce of the bucket
+        if stage == 0 and not prec.low_grads:  # an Allreduce of the bucket
             volume = 2 * size * r * (world - 1) // world if world > 1 else 0
             cross = 2 * size * r * far // world
             _book(books, "allreduce", volume, volume, (cross, cross))
@@ -77,9 +77,9 @@ def step_traffic(
             # by memory, then across nodes
             hier = ((region - mine) * m, (nodes - 1) * mine * m) if nodes > 1 else (0, 0)
             _book(books, "reduce_scatter", *rs_textbook, hier)
-        else:  # a world reduce-scatter (or its 16-bit alltoallv)
+        else:  # a world reduce-scatter (or its alltoallv of narrower gradients)
             _book(books, "reduce_scatter", *rs_textbook, between("reduce_scatter", counts, r))
-        if stage == 0 and is_half(prec.reduce):  # the reduced shards gathered back
+        if stage == 0 and prec.low_grads:  # the reduced shards gathered back
             _book(books, "allgather", (world - 1) * mine * m, (size - mine) * m,
                   between("allgatherv", counts, m))  # fmt: skip
         # -- the gather

@@ -2,12 +2,12 @@
 
 One module per concern:
 
-* :mod:`.collectives`: :class:`Comm`, the exact-count data path (``Reduce_scatter``,
-  ``Allgatherv``, their nonblocking and prepared forms) and the small collectives
-  around it;
+* :mod:`.collectives`: :class:`zerompi.mpi.collectives.Comm`, the exact-count data
+  path (``Reduce_scatter``, ``Allgatherv``, their nonblocking and prepared forms)
+  and the small collectives around it;
 * :mod:`.requests`: started collectives (``Pending``) and prepared ones (``Planned``);
-* :mod:`.agreement`: :class:`CollectiveError`, collective validation, the running
-  fingerprint of the collectives a rank makes;
+* :mod:`.agreement`: :class:`zerompi.mpi.agreement.CollectiveError`, collective
+  validation, the running fingerprint of the collectives a rank makes;
 * :mod:`.shm`: node-local shared memory (file-backed, unlinked once mapped) and fences;
 * :mod:`.io`: MPI-IO for checkpoints;
 * :mod:`.watchdog`: deadlines on every wait, with a diagnosis before the abort;

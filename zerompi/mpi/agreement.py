@@ -2,19 +2,20 @@
 
 MPI cannot tell that two ranks called collectives that do not belong together: two
 reduce-scatters of equal size pair up even when one rank reduces bucket ``a`` and the
-other bucket ``b``, and the data is mixed silently. Each :class:`Comm` therefore keeps
-a running :class:`Fingerprint` of every data-path collective it starts (operation,
-bucket, element count, in order). The step's one small collective already carries a
-few numbers per rank; it carries the fingerprint too, so a difference is found on
-every rank at once, with no extra collective in steady state. Only then, on the
-failure path, the ranks exchange their call logs to name the first call that
-differs and the ranks on each side.
+other bucket ``b``, and the data is mixed silently. Each
+:class:`zerompi.mpi.collectives.Comm` therefore keeps a running :class:`Fingerprint` of
+every data-path collective it starts (operation, bucket, element count, in order). The
+step's one small collective already carries a few numbers per rank; it carries the
+fingerprint too, so a difference is found on every rank at once, with no extra
+collective in steady state. Only then, on the failure path, the ranks exchange their
+call logs to name the first call that differs and the ranks on each side.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -147,8 +148,69 @@ def agree_step(
     return nonfinite, sumsq
 
 
+class Verdict:
+    """This rank's first error in a collective operation, until every rank hears of
+    it: the one helper for "catch locally, then agree" (:meth:`Agreement.verdict`).
+
+    As a context manager it catches the block's exception and, at the end of the
+    block, raises on every rank if any rank caught one (one small collective)::
+
+        with comm.verdict():
+            check_arguments()          # may raise on some ranks only
+
+    Where later collectives must still run after a local error (a checkpoint's
+    writes, so that the ranks' collective sequences stay paired), each phase is
+    caught with :meth:`catch` and the ranks agree once with :meth:`agree`::
+
+        verdict = comm.verdict()
+        for offset, shard in pieces:
+            with verdict.catch():
+                comm.write_at_all(fh, offset, shard if verdict.ok else shard[:0])
+        verdict.agree()
+    """
+
+    __slots__ = ("comm", "error")
+
+    def __init__(self, comm: Agreement) -> None:
+        self.comm = comm
+        #: The first exception caught on this rank (``None``: none so far).
+        self.error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether this rank has caught nothing so far."""
+        return self.error is None
+
+    @contextmanager
+    def catch(self) -> Iterator[None]:
+        """Keep the block's exception (the first one) instead of raising it here."""
+        try:
+            yield
+        except Exception as exc:  # whatever it is, every rank must hear of it
+            if self.error is None:
+                self.error = exc
+
+    def agree(self) -> None:
+        """Collective: raise on every rank if any rank caught an error
+        (:meth:`Agreement.agree`)."""
+        error, self.error = self.error, None
+        self.comm.agree(error)
+
+    def __enter__(self) -> Verdict:
+        return self
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> bool:
+        if exc is not None and not isinstance(exc, Exception):
+            return False  # an interrupt: no collective on the way out
+        if exc is not None and self.error is None:
+            self.error = exc
+        self.agree()
+        return exc is not None
+
+
 class Agreement:
-    """Validation methods of :class:`Comm`: raise on every rank, never on one."""
+    """Validation methods of :class:`zerompi.mpi.collectives.Comm`: raise on every
+    rank, never on one."""
 
     mpi: MPI.Intracomm
     rank: int
@@ -156,6 +218,10 @@ class Agreement:
 
     def allgather(self, obj: Any) -> list[Any]:  # provided by Comm
         raise NotImplementedError
+
+    def verdict(self) -> Verdict:
+        """A :class:`Verdict` over this communicator."""
+        return Verdict(self)
 
     def agree(self, error: BaseException | None) -> None:
         """Collective: raise on every rank if ``error`` is set on any rank.
@@ -165,6 +231,21 @@ class Agreement:
         :class:`CollectiveError`).
         """
         errors = self.allgather(None if error is None else (type(error).__name__, str(error)))
+        self._raise_first(errors)
+
+    def settle(self, error: BaseException | None, sections: Sequence[tuple[str, Any]]) -> None:
+        """Collective, in one exchange: :meth:`agree` on ``error``, then
+        :meth:`check_same` on every ``(what, value)`` of ``sections`` in order (the
+        first that differs is named). What building an optimizer agrees on: its
+        layout and every setting."""
+        mine = None if error is None else (type(error).__name__, str(error))
+        rows = self.allgather((mine, [value for _, value in sections]))
+        self._raise_first([e for e, _ in rows])
+        for i, (what, _) in enumerate(sections):
+            _check_values([values[i] for _, values in rows], what)
+
+    def _raise_first(self, errors: Sequence[tuple[str, str] | None]) -> None:
+        """Raise the first rank's error of ``errors`` (one per rank) on every rank."""
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if not failed:
             return
@@ -186,12 +267,15 @@ class Agreement:
         """Collective: raise on every rank unless ``value`` is equal on all ranks.
 
         For sequences the message names the first item that differs."""
-        values = self.allgather(value)
-        for r, other in enumerate(values):
-            if other != values[0]:
-                raise CollectiveError(
-                    f"{what} differs between ranks: {_difference(values[0], other, r)}"
-                )
+        _check_values(self.allgather(value), what)
+
+
+def _check_values(values: Sequence[Any], what: str) -> None:
+    """Raise :class:`CollectiveError` unless every rank's value equals rank 0's."""
+    for r, other in enumerate(values):
+        if other != values[0]:
+            difference = _difference(values[0], other, r)
+            raise CollectiveError(f"{what} differs between ranks: {difference}")
 
 
 def _difference(ref: Any, other: Any, rank: int) -> str:

@@ -26,7 +26,6 @@ from mpi4py import MPI
 from .agreement import OP_CODE, Agreement, CollectiveError, Fingerprint
 from .io import MPI_TYPES, FileIO
 from .launch import abort_world
-from .nodes import between_volume
 from .requests import Pending, Planned
 from .watchdog import WATCHDOG, resolve_timeout
 
@@ -56,14 +55,11 @@ class Comm(FileIO, Agreement):
     """The communicator zerompi runs on, with the collectives it needs.
 
     ``timeout``: seconds any one wait may take before the watchdog ends the job
-    (``None``: ``$ZEROMPI_TIMEOUT`` or its default; ``0``/``"none"``: never).
-    ``heartbeat``: keep this node's heartbeat in shared memory for the watchdog's
-    report (collective; needs ``/dev/shm``)."""
+    (``None``: ``$ZEROMPI_TIMEOUT`` or its default; ``0``/``"none"``: never). The
+    node's heartbeat for the watchdog's report is set up by
+    :func:`zerompi.mpi.nodes.enable_heartbeat`."""
 
-    def __init__(
-        self, comm: MPI.Intracomm | None = None, *, timeout: object = None,
-        heartbeat: bool = False,
-    ) -> None:  # fmt: skip
+    def __init__(self, comm: MPI.Intracomm | None = None, *, timeout: object = None) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -86,7 +82,8 @@ class Comm(FileIO, Agreement):
         self.describe: Callable[[int], str] = lambda tag: f"bucket {tag}"
         #: Seconds one wait may take (None: no watchdog); see :mod:`.watchdog`.
         self.timeout = resolve_timeout(timeout)
-        #: This node's heartbeat (:meth:`enable_heartbeat`), for the watchdog's report.
+        #: This node's heartbeat (:func:`zerompi.mpi.nodes.enable_heartbeat`), for
+        #: the watchdog's report.
         self.heartbeat: Any = None
         #: Of the traffic, the bytes that cross a node boundary, per op (same shape as
         #: :attr:`traffic`), booked on the communicator that reports them
@@ -96,18 +93,6 @@ class Comm(FileIO, Agreement):
         #: Per rank, whether it is on another node than this one (``None``: all on
         #: this node; :func:`.nodes.nodes_of`).
         self.offnode: list[bool] | None = None
-        if heartbeat:
-            self.enable_heartbeat()
-
-    def enable_heartbeat(self) -> None:
-        """Collective: keep this node's heartbeat in shared memory, so that a rank
-        whose wait times out can name the ranks of its node that have not arrived.
-        Nothing to do with one rank or without a timeout."""
-        if self.heartbeat is None and self.size > 1 and self.timeout is not None:
-            from .shm import make_heartbeat
-            from .watchdog import OPS
-
-            self.heartbeat = make_heartbeat(self, OPS)
 
     def _count(self, op: str, sent: int, received: int, between: tuple[int, int] = (0, 0)) -> None:
         entry = self.traffic.setdefault(op, [0, 0])
@@ -428,3 +413,18 @@ class Comm(FileIO, Agreement):
         """End every process of the job (all of COMM_WORLD), not just this
         communicator: the only safe exit when this rank cannot continue."""
         abort_world(code)
+
+
+def between_volume(comm: Comm, op: str, counts: Sequence[int], itemsize: int) -> tuple[int, int]:
+    """``(sent, received)`` bytes of a collective of ``comm`` with per-rank ``counts``
+    that cross a node boundary (``comm.offnode``), algorithm-independent (each rank
+    exchanging directly with the ranks it must): ``op`` is ``"reduce_scatter"`` (or
+    its alltoallv) or ``"allgatherv"``."""
+    off = comm.offnode
+    if off is None:
+        return 0, 0
+    mine, far = counts[comm.rank], sum(off)
+    theirs = sum(c for c, o in zip(counts, off, strict=True) if o)
+    if op == "allgatherv":
+        return far * mine * itemsize, theirs * itemsize
+    return theirs * itemsize, far * mine * itemsize

@@ -17,7 +17,8 @@ MPI_TYPES = {
 
 
 class FileIO:
-    """MPI-IO methods of :class:`Comm` (``self.mpi`` is the communicator)."""
+    """MPI-IO methods of :class:`zerompi.mpi.collectives.Comm` (``self.mpi`` is the
+    communicator)."""
 
     mpi: MPI.Intracomm
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+import numpy as np
 from mpi4py import MPI
 
-if TYPE_CHECKING:
-    from .collectives import Comm
+from .collectives import Comm
+from .shm import Heartbeat, SharedSegment
+from .watchdog import OPS
 
 #: Consecutive groups of this many COMM_WORLD ranks are one node (tests, one machine).
 NODE_SIZE_ENV = "ZEROMPI_NODE_SIZE"
@@ -63,10 +64,8 @@ class Nodes:
     caller :meth:`free` s them."""
 
     def __init__(self, comm: Comm) -> None:
-        from .collectives import Comm as _Comm
-
         node_mpi = split_node(comm)
-        self.node = _Comm(node_mpi, timeout=comm.timeout)
+        self.node = Comm(node_mpi, timeout=comm.timeout)
         mine = tuple(self.node.allgather(comm.rank))
         everyone: list[tuple[int, ...]] = comm.allgather(mine)
         self.members: list[tuple[int, ...]] = sorted(set(everyone))
@@ -75,11 +74,11 @@ class Nodes:
         self.size = len(mine)  # ranks on this node
         self.count = len(self.members)  # nodes
         self.uniform = len({len(m) for m in self.members}) == 1
-        self.cross: _Comm | None = None
+        self.cross: Comm | None = None
         if self.uniform:
             color, key = self.local, self.index
             cross_mpi = comm._blocking("split", -1, lambda: comm.mpi.Split(color, key))
-            self.cross = _Comm(cross_mpi, timeout=comm.timeout)
+            self.cross = Comm(cross_mpi, timeout=comm.timeout)
 
     @property
     def peers(self) -> list[int]:
@@ -131,8 +130,9 @@ def nodes_of(comm: Comm) -> Nodes:
         key = forced_node_size()
     except ValueError as exc:
         error = exc
-    comm.agree(error)  # a bad $ZEROMPI_NODE_SIZE on any rank: an error on every rank
-    comm.check_same(key, f"${NODE_SIZE_ENV}")  # else the ranks would split differently
+    # A bad $ZEROMPI_NODE_SIZE on any rank is an error on every rank, and so is one
+    # that differs between ranks (they would split differently).
+    comm.settle(error, [(f"${NODE_SIZE_ENV}", key)])
     nodes = cached.get(key)
     if nodes is None:
         nodes = cached[key] = Nodes(comm)
@@ -148,16 +148,21 @@ def nodes_of(comm: Comm) -> Nodes:
     return nodes
 
 
-def between_volume(comm: Comm, op: str, counts: Sequence[int], itemsize: int) -> tuple[int, int]:
-    """``(sent, received)`` bytes of a collective of ``comm`` with per-rank ``counts``
-    that cross a node boundary (``comm.offnode``), algorithm-independent (each rank
-    exchanging directly with the ranks it must): ``op`` is ``"reduce_scatter"`` (or
-    its alltoallv) or ``"allgatherv"``."""
-    off = comm.offnode
-    if off is None:
-        return 0, 0
-    mine, far = counts[comm.rank], sum(off)
-    theirs = sum(c for c, o in zip(counts, off, strict=True) if o)
-    if op == "allgatherv":
-        return far * mine * itemsize, theirs * itemsize
-    return theirs * itemsize, far * mine * itemsize
+def enable_heartbeat(comm: Comm) -> None:
+    """Collective: keep this node's heartbeat in shared memory, so that a rank of
+    ``comm`` whose wait times out can name the ranks of its node that have not
+    arrived (:mod:`.watchdog`). Nothing to do with one rank or without a timeout;
+    where shared memory is not available the watchdog reports only itself."""
+    if comm.heartbeat is not None or comm.size == 1 or comm.timeout is None:
+        return
+    node = comm._blocking("split", -1, lambda: comm.mpi.Split_type(MPI.COMM_TYPE_SHARED))
+    try:
+        local = Comm(node, timeout=comm.timeout)
+        ranks = local.allgather(comm.rank)
+        try:
+            segment = SharedSegment(local, 8, np.dtype(np.int64), "the heartbeat")
+        except Exception:
+            return
+        comm.heartbeat = Heartbeat(segment, ranks, OPS)
+    finally:
+        node.Free()

@@ -8,21 +8,32 @@ it in the communicator's fingerprint and traffic books.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 from mpi4py import MPI
 
-from .agreement import token
+from .agreement import Fingerprint, token
 from .watchdog import WATCHDOG
 
-if TYPE_CHECKING:
-    from .collectives import Comm
+
+class Comm(Protocol):
+    """What a started collective needs of its communicator (a
+    :class:`zerompi.mpi.collectives.Comm`; a protocol here, so that this module, which
+    that one imports, does not import it back)."""
+
+    size: int
+    timeout: float | None
+    seq: int
+    fingerprint: Fingerprint
+    traffic: dict[str, list[int]]
+
+    def book_between(self, op: str, between: tuple[int, int]) -> None: ...
 
 
 class Pending:
     """A started nonblocking collective and the array it delivers. MPI owns the
-    buffers until :meth:`wait` (or :meth:`Comm.wait_all`) returns."""
+    buffers until :meth:`wait` (or :meth:`zerompi.mpi.collectives.Comm.wait_all`) returns."""
 
     __slots__ = ("comm", "op", "request", "result", "seq", "tag")
 

@@ -24,7 +24,6 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
-from mpi4py import MPI
 
 if TYPE_CHECKING:
     from .collectives import Comm
@@ -54,12 +53,6 @@ def segment_bytes(count: int, dtype: np.dtype, parts: int) -> int:
     return _part_bytes(count, np.dtype(dtype)) * parts
 
 
-def node_comm(comm: Comm) -> MPI.Intracomm:
-    """Collective (under the watchdog): the ranks of ``comm`` that share this node's
-    memory, as a new MPI communicator the caller frees."""
-    return comm._blocking("split", -1, lambda: comm.mpi.Split_type(MPI.COMM_TYPE_SHARED))
-
-
 def _part_bytes(count: int, dtype: np.dtype) -> int:
     return -(-max(count * dtype.itemsize, 1) // _PAGE) * _PAGE
 
@@ -79,39 +72,25 @@ class SharedSegment:
         part = _part_bytes(count, dtype)
         parts = comm.size if per_rank else 1
         total = part * parts
-        error: BaseException | None = None
+        verdict = comm.verdict()
         path = ""
         if comm.rank == 0:
             path = os.path.join(shm_dir(), f"zerompi-{os.getpid()}-{secrets.token_hex(12)}")
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, total)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                error = OSError(
-                    f"cannot create {total} bytes of shared memory for {label} in "
-                    f"{shm_dir()} ({exc.strerror}): make room there (containers often "
-                    f"cap /dev/shm at 64 MiB), point {SHM_DIR_ENV} at a tmpfs with room, "
-                    "or pass shared_memory=False"
-                )
-                _unlink(path)
+            with verdict.catch():
+                _create(path, total, label)
         path = comm.allgather(path if comm.rank == 0 else None)[0]
-        comm.agree(error)
+        verdict.agree()
         mapping = None
-        try:
+        with verdict.catch():
             fd = os.open(path, os.O_RDWR)
             try:
                 mapping = mmap.mmap(fd, total, mmap.MAP_SHARED)
             finally:
                 os.close(fd)
-        except OSError as exc:
-            error = exc
         comm.fence()  # every rank has mapped it (or failed to): the name can go
         if comm.rank == 0:
             _unlink(path)
-        comm.agree(error)
+        verdict.agree()
         assert mapping is not None
         self.nbytes = total
         self.peers = [
@@ -123,6 +102,24 @@ class SharedSegment:
     def release(self) -> None:
         """Drop this object's views; arrays handed out earlier stay valid."""
         self.peers = []
+
+
+def _create(path: str, nbytes: int, label: str) -> None:
+    """Create the segment's file exclusively, mode 0600, with ``nbytes`` reserved."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _unlink(path)
+        raise OSError(
+            f"cannot create {nbytes} bytes of shared memory for {label} in "
+            f"{shm_dir()} ({exc.strerror}): make room there (containers often "
+            f"cap /dev/shm at 64 MiB), point {SHM_DIR_ENV} at a tmpfs with room, "
+            "or pass shared_memory=False"
+        ) from None
 
 
 def _unlink(path: str) -> None:
@@ -192,21 +189,3 @@ class Heartbeat:
         ]
         lines += late
         return lines
-
-
-def make_heartbeat(comm: Comm, ops: tuple[str, ...]) -> Heartbeat | None:
-    """Collective: a heartbeat over the ranks of ``comm`` on this node, or ``None``
-    where shared memory is not available (then the watchdog reports only itself)."""
-    node = node_comm(comm)
-    try:
-        from .collectives import Comm as _Comm
-
-        local = _Comm(node, timeout=comm.timeout, heartbeat=False)
-        ranks = local.allgather(comm.rank)
-        try:
-            segment = SharedSegment(local, 8, np.dtype(np.int64), "the heartbeat")
-        except Exception:
-            return None
-        return Heartbeat(segment, ranks, ops)
-    finally:
-        node.Free()

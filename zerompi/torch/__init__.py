@@ -23,6 +23,6 @@ storages) and :mod:`._optim` (the ``torch.optim.Optimizer`` over a
 """
 
 from ._optim import ShardedOptimizer
-from ._shard import shard
+from ._shard import TORCH_DEFAULTS, shard
 
-__all__ = ["ShardedOptimizer", "shard"]
+__all__ = ["TORCH_DEFAULTS", "ShardedOptimizer", "shard"]

@@ -20,7 +20,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 if TYPE_CHECKING:
-    from .. import ZeroOptimizer
+    from ..optimizer import ZeroOptimizer
     from ._units import GradientHooks, Units
 
 
@@ -63,7 +63,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         hand_over: GradientHooks | None = None,
     ) -> None:
         def settings(i: int) -> dict[str, Any]:
-            c = zero.configs[i]
+            c = zero.engine.configs[i]
             return {"lr": c.lr, "betas": (c.beta1, c.beta2), "eps": c.eps,
                     "weight_decay": c.weight_decay}  # fmt: skip
 
@@ -110,7 +110,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group, index in zip(self.param_groups, self.zero_groups, strict=True):
-            changed = self._settings(group, self.zero.configs[index])
+            changed = self._settings(group, self.zero.engine.configs[index])
             if changed:
                 self.zero.set_hyperparameters(group=index, **changed)
         if self.units is not None:

@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import ZeroConfig, config_of
 from ..mpi.collectives import Comm
-from ..partition import DEFAULT_BUCKET_ELEMS, Deferred
+from ..partition import Deferred
 from ..precision import resolve_dtype
 from ._optim import ShardedOptimizer
 from ._tensors import to_torch, torch_dtype
@@ -50,10 +51,15 @@ def _dtype_name(value: object, what: str) -> str | None:
     raise TypeError(f"{what} must be a torch dtype, a dtype name or None, got {value!r:.60}")
 
 
-def _check_settings(stage: object) -> None:
+def _check_settings(config: ZeroConfig) -> None:
     """What this adapter does not do (arguments: the same on every rank)."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"zerompi.torch: stage must be 0, 1, 2 or 3, got {stage!r}")
+    if config.stage not in (0, 1, 2, 3):
+        raise ValueError(f"zerompi.torch: stage must be 0, 1, 2 or 3, got {config.stage!r}")
+    if config.elastic.enabled:
+        raise ValueError(
+            "zerompi.torch: elastic=True is not supported by shard() yet (a recovery would "
+            "rebuild zerompi's buffers under the module's parameter views)"
+        )
 
 
 def _check_module(model: torch.nn.Module) -> None:
@@ -159,35 +165,40 @@ def _buffer_hook(view: torch.Tensor) -> Any:
     return keep_in_buffer
 
 
-def shard(
-    model: torch.nn.Module,
-    *,
-    stage: int = 2,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.01,
-    decoupled_weight_decay: bool = True,
-    comm: Any = None,
-    bucket_elems: int = DEFAULT_BUCKET_ELEMS,
-    max_norm: float | None = None,
-    shared_memory: bool | None = None,
-    timeout: float | str | None = None,
-    param_dtype: object = None,
-    reduce_dtype: object = None,
-    param_groups: list[dict[str, Any]] | None = None,
-    loss_scale: object = None,
-    overlap: bool | None = None,
-) -> tuple[torch.nn.Module, ShardedOptimizer]:
-    """Collective: shard ``model``'s trainable parameters over ``comm`` (default
-    ``COMM_WORLD``) at ``stage`` and return ``(model, optimizer)``; the module is
-    changed in place (its parameters become views of zerompi's buffers).
+#: Where ``shard()`` without a config starts from: ``torch.optim.AdamW``'s defaults,
+#: not :class:`zerompi.ZeroConfig`'s (stage 1, no weight decay, Adam): stage 2, weight
+#: decay 0.01, decoupled; and one staging slot at stage 3 (``overlap=False``), whose
+#: largest bucket is often the embedding. A config passed in is used as given.
+TORCH_DEFAULTS: dict[str, Any] = {"stage": 2, "weight_decay": 0.01, "decoupled_weight_decay": True}
 
-    Defaults are ``torch.optim.AdamW``'s (``decoupled_weight_decay=False``: ``Adam``
-    with an L2 term). ``max_norm`` clips the global gradient norm (torch's
-    ``clip_grad_norm_``) inside the step. ``param_groups``: torch's list of dicts,
-    ``{"params": [parameters or their names], "lr": ..., "weight_decay": ...}``;
-    a trainable parameter no group lists keeps the arguments' settings.
+
+def torch_config(config: ZeroConfig | None, keywords: dict[str, Any]) -> ZeroConfig:
+    """The config ``shard(model, config, **keywords)`` uses (see :data:`TORCH_DEFAULTS`)."""
+    if config is not None:
+        return config_of(config, keywords)
+    settings = {**TORCH_DEFAULTS, **keywords}
+    if settings.get("overlap") is None:  # (None: the default, by stage)
+        settings["overlap"] = settings["stage"] != 3
+    return ZeroConfig().replace(**settings)
+
+
+def shard(
+    model: torch.nn.Module, config: ZeroConfig | None = None, *, comm: Any = None,
+    **keywords: Any,
+) -> tuple[torch.nn.Module, ShardedOptimizer]:  # fmt: skip
+    """Collective: shard ``model``'s trainable parameters over ``comm`` (default
+    ``COMM_WORLD``) and return ``(model, optimizer)``; the module is changed in place
+    (its parameters become views of zerompi's buffers).
+
+    ``config`` is a :class:`zerompi.ZeroConfig` and ``keywords`` its settings by flat
+    name, as for :class:`zerompi.ZeroOptimizer`. Without a config the settings start
+    from ``torch.optim.AdamW``'s defaults (:data:`TORCH_DEFAULTS`: stage 2,
+    ``weight_decay=0.01``, decoupled, one staging slot at stage 3); a config is used
+    as given. ``decoupled_weight_decay=False`` is ``Adam`` with an L2 term.
+    ``max_norm`` clips the global gradient norm (torch's ``clip_grad_norm_``) inside
+    the step. ``param_groups``: torch's list of dicts, ``{"params": [parameters or
+    their names], "lr": ..., "weight_decay": ...}``; a trainable parameter no group
+    lists keeps the config's settings.
 
     ``param_dtype`` (``torch.bfloat16``, ``torch.float16`` or their names): the
     module computes with zerompi's rounded copy in that dtype (frozen parameters are
@@ -195,10 +206,8 @@ def shard(
     ``reduce_dtype``: the dtype gradients are handed over and moved in (default
     float32; 16-bit ones are still summed in float32); ``loss_scale``: zerompi's
     (multiply the loss by ``optimizer.loss_scale`` before ``backward()``).
-    ``overlap`` (default: at stages 0-2 only): a second staging slot, so the next
-    bucket's gradients can be handed over while one is being reduced; each slot
-    is the size of the largest bucket (at stage 3 the largest module, often the
-    embedding), and at stage 3, chosen for memory, one is the default.
+    ``elastic=True`` is refused: a recovery would rebuild zerompi's buffers under the
+    module's parameter views.
 
     Stage 3 (without a node copy of the parameters: over several nodes, or
     ``shared_memory=False``) gathers a module's parameters before its forward and
@@ -207,41 +216,35 @@ def shard(
     that uses it, ``head.weight = emb.weight``). Elsewhere it is an empty tensor, and
     so is every trainable parameter between steps: read them inside
     ``with optimizer.full_parameters():``. Any error is raised on every rank."""
-    from .. import ZeroOptimizer
+    from ..optimizer import ZeroOptimizer
 
     check = Comm(comm, timeout=0)
-    error: BaseException | None = None
     named: list[tuple[str, torch.nn.Parameter]] = []
-    groups, dtypes = None, (None, None)
-    try:
-        _check_settings(stage)
-        dtypes = (_dtype_name(param_dtype, "param_dtype"),
-                  _dtype_name(reduce_dtype, "reduce_dtype"))  # fmt: skip
+    zero_config = ZeroConfig()
+    with check.verdict():
+        zero_config = torch_config(config, keywords)
+        _check_settings(zero_config)
+        p = zero_config.precision
+        dtypes = (_dtype_name(p.param_dtype, "param_dtype"),
+                  _dtype_name(p.reduce_dtype, "reduce_dtype"))  # fmt: skip
         _check_module(model)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = _named_groups(param_groups, named)
-    except (TypeError, ValueError) as exc:
-        error = exc
-    check.agree(error)
+        groups = _named_groups(zero_config.param_groups, named)
+        zero_config = zero_config.replace(param_groups=groups, param_dtype=dtypes[0],
+                                          reduce_dtype=dtypes[1])  # fmt: skip
     # Every refusal before the ZeroOptimizer takes the parameters (their storages are
     # freed as it does): a refused shard() leaves the module as it was.
     check.check_same([(n, tuple(t.shape), str(t.dtype)) for n, t in _rest(model)],
                      "the module's frozen parameters and buffers (name, shape, dtype)")  # fmt: skip
-    zero = ZeroOptimizer(
-        {name: _taken(param) for name, param in named}, comm=comm, stage=stage, lr=lr,
-        betas=betas, eps=eps,
-        weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
-        bucket_elems=bucket_elems, max_norm=max_norm, shared_memory=shared_memory,
-        timeout=timeout, param_groups=groups, param_dtype=dtypes[0],
-        reduce_dtype=dtypes[1], loss_scale=loss_scale,
-        overlap=stage < 3 if overlap is None else overlap,
-        gather_buffers=False,  # stage 3 gathers into the modules' own storages (_units)
-    )  # fmt: skip
-    _broadcast_rest(zero.comm, model, dtypes[0])
+    # Stage 3 gathers into the modules' own storages (_units): no gather buffers.
+    zero = ZeroOptimizer({name: _taken(param) for name, param in named},
+                         zero_config.replace(gather_buffers=False), comm=comm)  # fmt: skip
+    _broadcast_rest(zero.comm, model, zero_config.precision.param_dtype)
     hand_over = GradientHooks(zero)
     units, grad_views = _route(zero, model, named, hand_over)
+    engine = zero.engine
     torch_groups = [(i, [p for n, p in named if zero.param_group(n) == i])
-                    for i in range(len(zero.configs))]  # fmt: skip
+                    for i in range(len(engine.configs))]  # fmt: skip
     torch_groups = [(i, ps) for i, ps in torch_groups if ps or i > 0]
     return model, ShardedOptimizer(zero, torch_groups, grad_views, units, hand_over)
 
@@ -255,8 +258,8 @@ def _route(
     Gradients: ``.grad`` *is* zerompi's buffer at stages 0-1 when its dtype is the
     parameter's; otherwise a hook hands each one over as it is computed."""
     resident = zero.resident_params
-    views = zero.plan.full_grads and not any(
-        p.low_params or p.low_grads for p in zero.precisions.values()
+    views = zero.engine.plan.full_grads and not any(
+        p.low_params or p.low_grads for p in zero.engine.precisions.values()
     )
     grad_views: dict[torch.nn.Parameter, torch.Tensor] | None = {} if views else None
     with torch.no_grad():

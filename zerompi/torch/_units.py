@@ -50,7 +50,7 @@ class Units:
         self.zero = zero
         layout = zero.layout
         count = len(layout.buckets)
-        self.dtypes = [zero.precisions[b.dtype].param for b in layout.buckets]
+        self.dtypes = [zero.engine.precisions[b.dtype].param for b in layout.buckets]
         self.flats = [torch.empty(b.size, dtype=torch_dtype(d))
                       for b, d in zip(layout.buckets, self.dtypes, strict=True)]  # fmt: skip
         #: per bucket: (parameter, its full view of the flat tensor, its empty stand-in)
@@ -215,15 +215,18 @@ class GradientHooks:
 
     def __init__(self, zero: Any) -> None:
         self.zero = zero
-        self.fold = zero.plan.full_grads and any(p.low_grads for p in zero.precisions.values())
+        engine = zero.engine
+        #: Stages 0-1: gradients go into the full buffers (``zero.grads``).
+        self.full_grads = engine.plan.full_grads
+        self.fold = self.full_grads and any(p.low_grads for p in engine.precisions.values())
         self._queued = False
 
     def __call__(self, name: str) -> Callable[[torch.nn.Parameter], None]:
-        zero = self.zero
+        zero, full_grads = self.zero, self.full_grads
 
         def hand_over(param: torch.nn.Parameter) -> None:
             grad = to_numpy(param.grad)
-            if zero.plan.full_grads:
+            if full_grads:
                 dst = zero.grads[name]
                 np.add(dst, grad, out=dst)
                 if self.fold and not self._queued:

@@ -137,7 +137,7 @@ def compare(
     diffs = differences(got, dict(ref.named_parameters()))
     buffers = dict(model.named_buffers())
     same = all(torch.equal(buffers[n], b) for n, b in ref.named_buffers())
-    lrs = ([opt.zero.configs[i].lr for i in opt.zero_groups], scheds[1].get_last_lr())
+    lrs = ([opt.zero.engine.configs[i].lr for i in opt.zero_groups], scheds[1].get_last_lr())
     opt.close()
     return {"diffs": diffs, "lrs": lrs, "buffers_from_rank_0": same}
 
