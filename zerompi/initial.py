@@ -29,17 +29,13 @@ def initialize(
 ) -> None:
     """Collective: rank 0 writes the initial values of ``names`` into ``target(name)``
     (the caller broadcasts them); a failing ``init`` raises on every rank."""
-    error = None
-    if comm.rank == 0:
-        try:
+    with comm.verdict():
+        if comm.rank == 0:
             for name in names:
                 value = params[name]
                 if isinstance(value, Deferred):
                     value = value.materialize(name)
                 np.copyto(target(name), value, casting="same_kind")
-        except Exception as exc:
-            error = exc
-    comm.agree(error)
 
 
 class Releases:
@@ -47,21 +43,19 @@ class Releases:
     as soon as its value is held; the first exception is kept and raised on every
     rank by :meth:`agree` (one collective at the end, not one per bucket)."""
 
-    def __init__(self, params: Mapping[str, np.ndarray | Deferred]) -> None:
+    def __init__(self, comm: Comm, params: Mapping[str, np.ndarray | Deferred]) -> None:
         self.params = params
-        self.error: BaseException | None = None
+        self.verdict = comm.verdict()
 
     def __call__(self, names: Sequence[str]) -> None:
         for name in names:
             value = self.params[name]
-            if isinstance(value, Deferred) and value.release is not None and self.error is None:
-                try:
+            if isinstance(value, Deferred) and value.release is not None and self.verdict.ok:
+                with self.verdict.catch():
                     value.release()
-                except Exception as exc:
-                    self.error = exc
 
-    def agree(self, comm: Comm) -> None:
-        comm.agree(self.error)
+    def agree(self) -> None:
+        self.verdict.agree()
 
 
 def initialize_by_bucket(
@@ -78,7 +72,7 @@ def initialize_by_bucket(
     rounded, into the model's copy (``part.low``). With ``nodes`` the model's copy is
     one per node: this rank writes its region of it, then the node fences."""
     temp = {d: np.zeros(layout.max_bucket(d), d) for d in layout.sizes}
-    release = Releases(params)
+    release = Releases(comm, params)
     for i, (bucket, part) in enumerate(zip(layout.buckets, parts, strict=True)):
         buf = temp[bucket.dtype][: bucket.size]
         initialize(comm, params, bucket.names, lambda n, i=i, f=buf: bucket_view(f, i, n))
@@ -103,7 +97,7 @@ def initialize_by_bucket(
             round_low(part.param, part.low)  # stage 3: the shard it gathers from
     if nodes is not None:
         nodes.node.fence()
-    release.agree(comm)
+    release.agree()
 
 
 def initialize_whole(
@@ -117,6 +111,6 @@ def initialize_whole(
     initialize(comm, params, list(views), lambda name: views[name])
     for index, flat in enumerate(flats):
         comm.bcast_inplace(flat, root=0, tag=-2 - index)
-    release = Releases(params)
+    release = Releases(comm, params)
     release(list(views))
-    release.agree(comm)
+    release.agree()
