@@ -28,6 +28,7 @@ import pytest
 from mpi4py import MPI
 
 import zerompi
+from zerompi.checkpoint.safetensors import write_file
 from zerompi.guard import GUARD_CODE, is_guarded
 from zerompi.mpi.collectives import Comm
 from zerompi.mpi.requests import Planned
@@ -257,6 +258,9 @@ RECIPES: dict[str, Callable[[ZeroOptimizer, Path], object]] = {
     "last_grad_norm": lambda opt, tmp: opt.last_grad_norm,
     "layout": lambda opt, tmp: opt.layout,
     "load": lambda opt, tmp: (opt.save(str(tmp / "c.zmpi")), opt.load(str(tmp / "c.zmpi"))),
+    "load_safetensors": lambda opt, tmp: (
+        write_file(tmp / "w.safetensors", opt.full_params()),
+        opt.load_safetensors(str(tmp / "w.safetensors"))),
     "loss_scale": lambda opt, tmp: opt.loss_scale,
     "memory_buffers": lambda opt, tmp: opt.memory_buffers(),
     "memory_usage": lambda opt, tmp: opt.memory_usage(),

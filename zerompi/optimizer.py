@@ -317,6 +317,20 @@ class ZeroOptimizer:
 
         return checkpoint.load(self.engine, path)
 
+    @communicates
+    def load_safetensors(self, path: str, strict: bool = True) -> None:
+        """Collective: the parameters from the safetensors file or directory ``path``
+        (``model.safetensors``, or a ``model.safetensors.index.json`` and its files, as
+        Hugging Face writes them; :mod:`zerompi.checkpoint.safetensors`), each rank
+        reading only the bytes of its own shards. Every parameter must be in the file
+        with its shape; values are converted to the master dtype (``same_kind``).
+        ``strict``: refuse tensors that are not parameters here. The Adam moments and
+        counters are kept. On any error every rank raises
+        :class:`zerompi.checkpoint.CheckpointError` and the state is untouched."""
+        from . import checkpoint
+
+        checkpoint.load_safetensors(self.engine, path, strict)
+
     # -- lifetime ------------------------------------------------------------------------
 
     def survive(self) -> AbstractContextManager[None]:

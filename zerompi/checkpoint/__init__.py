@@ -2,11 +2,13 @@
 
 * :mod:`.format`: the file format (header, checksums) and the numpy-only reader
   (:func:`read`, :func:`verify`, :func:`read_header`, export to ``.npz``);
+* :mod:`.safetensors`: the safetensors format, numpy only (export of a checkpoint's
+  parameters, and reading any part of a tensor, for :func:`load_safetensors`);
 * :mod:`.collective`: :func:`save` and :func:`load` (behind ``ZeroOptimizer.save`` /
   ``ZeroOptimizer.load``), collective MPI-IO through the engine's communicator and
   the state functions of :mod:`zerompi.state`;
 * :mod:`.__main__`: the command line, ``python -m zerompi.checkpoint
-  {inspect,verify,export} PATH``.
+  {inspect,verify,export} PATH`` (``export --npz`` or ``--safetensors``).
 
 Importing this package imports neither mpi4py nor the engine: :mod:`.collective`
 is imported on the first call of :func:`save`, :func:`load` or
@@ -58,6 +60,7 @@ __all__ = [
     "file_size",
     "layout_entries",
     "load",
+    "load_safetensors",
     "main",
     "parse_header",
     "read",
@@ -83,6 +86,15 @@ def load(engine: Any, path: str | os.PathLike) -> dict[str, Any]:
     from . import collective
 
     return collective.load(engine, path)
+
+
+def load_safetensors(engine: Any, path: str | os.PathLike, strict: bool = True) -> None:
+    """Collective: the parameters of ``engine`` from a safetensors file or directory
+    (see ``ZeroOptimizer.load_safetensors`` and
+    :func:`zerompi.checkpoint.collective.load_safetensors`)."""
+    from . import collective
+
+    collective.load_safetensors(engine, path, strict)
 
 
 def check_compatible(engine: Any, header: dict[str, Any], path: str) -> None:

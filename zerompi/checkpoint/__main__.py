@@ -5,6 +5,7 @@ Numpy only (through :mod:`zerompi.checkpoint.format`): it runs where MPI does no
     python -m zerompi.checkpoint inspect PATH
     python -m zerompi.checkpoint verify PATH          # exit status 0 / 1
     python -m zerompi.checkpoint export PATH --npz OUT
+    python -m zerompi.checkpoint export PATH --safetensors DIR [--max-shard-size 5GB]
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from . import safetensors
 from .format import FORMAT, CheckpointError, export_npz, read_header, verify
 
 
@@ -38,6 +40,23 @@ def summary(header: dict[str, Any], path: str) -> str:
     return "\n".join(lines)
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}  # fmt: skip
+
+
+def byte_size(text: str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes, as an int."""
+    number = text.strip().rstrip("bBiI").rstrip("kKmMgG") or "x"
+    unit = text.strip()[len(number):].upper()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB, 2GiB)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+    return int(value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
     parser = argparse.ArgumentParser(
@@ -45,7 +64,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("command", choices=["inspect", "verify", "export"])
     parser.add_argument("path")
-    parser.add_argument("--npz", help="export: the .npz file to write")
+    parser.add_argument("--npz", help="export: the .npz file to write (parameters and moments)")
+    parser.add_argument(
+        "--safetensors", metavar="DIR",
+        help="export: the directory to write the parameters to as safetensors "
+        "(model.safetensors, or numbered files and model.safetensors.index.json)")
+    parser.add_argument(
+        "--max-shard-size", type=byte_size, default=safetensors.MAX_SHARD_BYTES, metavar="SIZE",
+        help="export --safetensors: the largest file before another starts, in bytes "
+        "or with a unit (500MB, 5GB, 2GiB; default 5GB)")
     args = parser.parse_args(argv)
     if args.command == "inspect":
         try:
@@ -62,14 +89,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not problems:
             print(f"{args.path}: OK")
         return 1 if problems else 0
-    if not args.npz:
-        parser.error("export needs --npz OUT")
+    if bool(args.npz) == bool(args.safetensors):
+        parser.error("export needs one of --npz OUT and --safetensors DIR")
     try:
-        count = export_npz(args.path, args.npz)
+        if args.npz:
+            count = export_npz(args.path, args.npz)
+            print(f"wrote {count} arrays to {args.npz}")
+        else:
+            files = safetensors.export(args.path, args.safetensors, args.max_shard_size)
+            print(f"wrote {len(read_header(args.path)['params'])} parameters to "
+                  + ", ".join(files))  # fmt: skip
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {count} arrays to {args.npz}")
     return 0
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import state
 from ..mpi.launch import mark_raised_on_every_rank
+from . import safetensors
 from .format import (
     MASK,
     CheckpointError,
@@ -250,5 +251,65 @@ def load(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
     ``ZeroOptimizer.load``); errors as :func:`save`."""
     try:
         return _load(engine, path)
+    except CheckpointError as exc:
+        raise mark_raised_on_every_rank(exc) from None
+
+
+def _load_safetensors(engine: Engine, path: str, strict: bool) -> None:
+    """Collective: see :func:`load_safetensors`."""
+    comm = engine.comm
+    found: Any = None
+    if comm.rank == 0:
+        try:
+            require_little_endian()
+            found = safetensors.entries(path)
+        except Exception as exc:
+            found = exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
+    found = comm.allgather(found if comm.rank == 0 else None)[0]
+    if isinstance(found, Exception):  # identical on every rank
+        raise CheckpointError(f"cannot load {path}: {found}")
+    entries = state.param_entries(engine)
+    names = {name for name, *_ in entries}
+    missing = [n for n in names if n not in found]
+    shapes = [f"{n}: {list(found[n].shape)} in the file, {list(s)} here"
+              for n, s, *_ in entries
+              if n in found and tuple(found[n].shape) != tuple(s)]  # fmt: skip
+    unexpected = sorted(set(found) - names) if strict else []
+    if missing or shapes or unexpected:  # deterministic: the same verdict everywhere
+        problems = ([f"missing {sorted(missing)}"] if missing else []) + (
+            [f"shapes differ ({'; '.join(shapes)})"] if shapes else []) + (
+            [f"not parameters of this optimizer {unexpected} (strict=False ignores them)"]
+            if unexpected else [])  # fmt: skip
+        raise CheckpointError(f"cannot load {path}: " + ", ".join(problems))
+    # Each rank reads only the parts of the tensors that fall in its own shards, into
+    # scratch copies: nothing is touched until every rank has read everything.
+    by_dtype: dict[str, list[tuple[int, int, str]]] = {}
+    for name, shape, dtype, offset in entries:
+        size = int(np.prod(shape, dtype=np.int64))
+        by_dtype.setdefault(f"params.{np.dtype(dtype).name}", []).append(
+            (offset, offset + size, name))
+    targets = [(s, first, shard) for s, first, shard in state.state_shards(engine)
+               if s in by_dtype]  # fmt: skip
+    scratch = [np.empty_like(shard) for _, _, shard in targets]
+    with comm.verdict():
+        for (section, first, shard), buf in zip(targets, scratch, strict=True):
+            last = first + shard.size
+            for begin, end, name in by_dtype[section]:  # in offset order
+                lo, hi = max(begin, first), min(end, last)
+                if lo < hi:
+                    piece = safetensors.read_range(found[name], lo - begin, hi - begin, name)
+                    np.copyto(buf[lo - first : hi - first], piece, casting="same_kind")
+    for (_, _, shard), buf in zip(targets, scratch, strict=True):
+        np.copyto(shard, buf)
+    del scratch
+    state.publish_state(engine)  # full copies consistent again; gradients discarded
+    state.set_counters(engine, engine.step_count, engine.skipped_steps)  # elastic: keep it
+
+
+def load_safetensors(engine: Engine, path: str | os.PathLike, strict: bool = True) -> None:
+    """Collective: the engine's parameters from the safetensors file or directory
+    ``path`` (see ``ZeroOptimizer.load_safetensors``); errors as :func:`save`."""
+    try:
+        _load_safetensors(engine, os.fspath(path), strict)
     except CheckpointError as exc:
         raise mark_raised_on_every_rank(exc) from None
