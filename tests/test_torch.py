@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
 from zerompi import checkpoint  # noqa: E402
+from zerompi.checkpoint.safetensors import write_file  # noqa: E402
 from zerompi.torch import shard  # noqa: E402
 from zerompi.torch.parity import (  # noqa: E402
     batch,
@@ -244,6 +245,36 @@ def test_the_module_s_own_copy_is_freed_before_zerompi_fills_its_state(
         torch.UntypedStorage._free_weak_ref(ref)
     opt.close()
     assert_all(not problems, "\n".join(problems[:6]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_load_safetensors_sets_the_module_s_parameters(
+    comm: MPI.Intracomm, mode: str, mpi_tmp_path: Path
+) -> None:
+    """A safetensors file of another model's trainable parameters (keyed by
+    ``named_parameters()``, the tied weight once) becomes the module's parameters at
+    every stage, read inside ``full_parameters()``; a training step still runs."""
+    source = make_model(1)
+    want = {n: p.detach().numpy().copy() for n, p in source.named_parameters()
+            if p.requires_grad}  # fmt: skip
+    root = comm.bcast(MPI.COMM_WORLD.rank, root=0)
+    path = str(mpi_tmp_path / f"torch-weights-{mode}-w{comm.size}-r{root}.safetensors")
+    if comm.rank == 0:
+        write_file(path, want)
+    comm.barrier()
+    stage, shared = MODES[mode]
+    model, opt = shard(make_model(0), stage=stage, comm=comm, bucket_elems=40,
+                       shared_memory=shared)  # fmt: skip
+    opt.load_safetensors(path)
+    with opt.full_parameters():
+        got = {n: p.detach().clone().numpy() for n, p in model.named_parameters()
+               if p.requires_grad}  # fmt: skip (a clone: stage 3 frees the storage)
+    problems = [n for n in want if not np.array_equal(got[n], want[n])]
+    idx, target = batch(0, 0, 1)
+    loss_of(model, idx, target).backward()
+    opt.step()
+    opt.close()
+    assert_all(not problems and sorted(got) == sorted(want), f"differs: {problems}")
 
 
 @pytest.mark.parametrize(("saved", "loaded"), [("1", "2"), ("2", "1"), ("3s", "1"), ("1", "3s")])

@@ -168,6 +168,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.units.release_all()
         return self.zero.load(path)
 
+    def load_safetensors(self, path: str, strict: bool = True) -> None:
+        """Collective: the trainable parameters from a safetensors file or directory
+        keyed by the module's parameter names (``ZeroOptimizer.load_safetensors``:
+        each rank reads its own shards; moments and step count are kept)."""
+        if self.units is not None:
+            self.units.release_all()
+        self.zero.load_safetensors(path, strict)
+
     def close(self) -> None:
         """Collective: release zerompi's buffers' shared memory (the module keeps its
         parameter views valid)."""
