@@ -1,0 +1,37 @@
+"""A Hugging Face ``transformers`` model through zerompi's safetensors in and out
+(``tests/hf_script.py`` under a subprocess ``mpiexec -n 2``; serial run only, as in
+``tests/test_failures.py``): ``save_pretrained``'s files load into the sharded model
+bit for bit, and a zerompi checkpoint exported with ``--safetensors`` is read by
+``from_pretrained`` bit for bit, the tied head tied again. Skipped without torch or
+transformers (CI installs both)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from test_failures import run
+from test_harness import mpiexec
+
+SCRIPT = Path(__file__).resolve().parent / "hf_script.py"
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize(("stage", "shared"), [(1, "1"), (2, "1"), (3, "1"), (3, "0")])
+def test_a_transformers_model_in_and_out_through_safetensors(
+    stage: int, shared: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    status, out, _ = run([mpiexec(), "-n", "2", sys.executable, str(SCRIPT), str(tmp_path),
+                          str(stage), shared], timeout=240)  # fmt: skip
+    found = re.findall(r"RESULT (\{.*\})", out)  # (a progress bar may share its line)
+    assert status == 0 and len(found) == 1, out
+    result = json.loads(found[0])
+    assert result["loaded_diff"] == 0.0, result
+    assert result["exported_diff"] == 0.0, result
+    assert result["names_match"] and result["tied"], result
+    assert len(result["losses"]) == 3 and result["losses"][-1] < result["losses"][0], result
