@@ -20,6 +20,7 @@ SCRIPT = Path(__file__).resolve().parent / "hf_script.py"
 
 
 @pytest.mark.mpi_skip
+@pytest.mark.timeout(300)  # the subprocess has its own limit, 240 s (importing transformers)
 @pytest.mark.parametrize(("stage", "shared"), [(1, "1"), (2, "1"), (3, "1"), (3, "0")])
 def test_a_transformers_model_in_and_out_through_safetensors(
     stage: int, shared: str, tmp_path: Path

@@ -256,6 +256,7 @@ def test_a_checkpoint_exported_loads_at_another_world_size_and_stage(
 def test_load_safetensors_refuses_what_does_not_fit(
     comm: MPI.Intracomm, mpi_tmp_path: Path
 ) -> None:
+    numpy_io = pytest.importorskip("safetensors.numpy")
     base = shared_path(mpi_tmp_path, comm, "refuse")
     params = make_params(MIXED, 5)
     opt = make_opt(comm, 3)
@@ -271,6 +272,10 @@ def test_load_safetensors_refuses_what_does_not_fit(
         path = f"{base}-{name}.safetensors"
         _write_on_rank0(comm, path, arrays)
         assert_raises_all(CheckpointError, message, lambda p=path: opt.load_safetensors(p))
+    integers = f"{base}-integers.safetensors"
+    on_rank0(comm, lambda: numpy_io.save_file({**params, "t": np.ones(1, np.int32)}, integers))
+    assert_raises_all(CheckpointError, "not floating-point (t: I32)",
+                      lambda: opt.load_safetensors(integers))  # fmt: skip
     assert_raises_all(CheckpointError, "cannot load", lambda: opt.load_safetensors(base + "-none"))
     after = opt.full_params()
     assert_all(all(same(after[n], before[n]) for n in before), "the state changed")

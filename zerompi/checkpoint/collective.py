@@ -18,6 +18,7 @@ on any rank, every rank raises, and a failed save leaves the previous file at
 
 from __future__ import annotations
 
+import bisect
 import os
 import secrets
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import state
+from ..mpi.agreement import CollectiveError
 from ..mpi.launch import mark_raised_on_every_rank
 from . import safetensors
 from .format import (
@@ -274,10 +276,13 @@ def _load_safetensors(engine: Engine, path: str, strict: bool) -> None:
     shapes = [f"{n}: {list(found[n].shape)} in the file, {list(s)} here"
               for n, s, *_ in entries
               if n in found and tuple(found[n].shape) != tuple(s)]  # fmt: skip
+    dtypes = [f"{n}: {found[n].dtype}" for n, *_ in entries
+              if n in found and found[n].dtype not in safetensors.READABLE]  # fmt: skip
     unexpected = sorted(set(found) - names) if strict else []
-    if missing or shapes or unexpected:  # deterministic: the same verdict everywhere
+    if missing or shapes or dtypes or unexpected:  # deterministic: the same everywhere
         problems = ([f"missing {sorted(missing)}"] if missing else []) + (
             [f"shapes differ ({'; '.join(shapes)})"] if shapes else []) + (
+            [f"not floating-point ({'; '.join(dtypes)})"] if dtypes else []) + (
             [f"not parameters of this optimizer {unexpected} (strict=False ignores them)"]
             if unexpected else [])  # fmt: skip
         raise CheckpointError(f"cannot load {path}: " + ", ".join(problems))
@@ -288,22 +293,40 @@ def _load_safetensors(engine: Engine, path: str, strict: bool) -> None:
         size = int(np.prod(shape, dtype=np.int64))
         by_dtype.setdefault(f"params.{np.dtype(dtype).name}", []).append(
             (offset, offset + size, name))
+    for spans in by_dtype.values():
+        spans.sort()
     targets = [(s, first, shard) for s, first, shard in state.state_shards(engine)
                if s in by_dtype]  # fmt: skip
     scratch = [np.empty_like(shard) for _, _, shard in targets]
-    with comm.verdict():
-        for (section, first, shard), buf in zip(targets, scratch, strict=True):
-            last = first + shard.size
-            for begin, end, name in by_dtype[section]:  # in offset order
-                lo, hi = max(begin, first), min(end, last)
-                if lo < hi:
-                    piece = safetensors.read_range(found[name], lo - begin, hi - begin, name)
-                    np.copyto(buf[lo - first : hi - first], piece, casting="same_kind")
+    try:
+        with comm.verdict():
+            _read_shards(targets, scratch, by_dtype, found)
+    except CollectiveError as exc:  # a read that failed on some rank, raised on every rank
+        raise CheckpointError(f"cannot load {path}: {exc}") from None
     for (_, _, shard), buf in zip(targets, scratch, strict=True):
         np.copyto(shard, buf)
     del scratch
     state.publish_state(engine)  # full copies consistent again; gradients discarded
     state.set_counters(engine, engine.step_count, engine.skipped_steps)  # elastic: keep it
+
+
+def _read_shards(
+    targets: Shards, scratch: list[np.ndarray], by_dtype: dict[str, list[tuple[int, int, str]]],
+    found: dict[str, safetensors.Entry],
+) -> None:  # fmt: skip
+    """Each shard's elements from the tensors that overlap it (in offset order), into
+    its scratch copy: only this rank's bytes of each tensor are read."""
+    ends = {section: [end for _, end, _ in spans] for section, spans in by_dtype.items()}
+    for (section, first, shard), buf in zip(targets, scratch, strict=True):
+        spans, last = by_dtype[section], first + shard.size
+        k = bisect.bisect_right(ends[section], first)  # the first tensor ending past first
+        while k < len(spans) and spans[k][0] < last:
+            begin, end, name = spans[k]
+            lo, hi = max(begin, first), min(end, last)
+            if lo < hi:
+                piece = safetensors.read_range(found[name], lo - begin, hi - begin, name)
+                np.copyto(buf[lo - first : hi - first], piece, casting="same_kind")
+            k += 1
 
 
 def load_safetensors(engine: Engine, path: str | os.PathLike, strict: bool = True) -> None:

@@ -48,6 +48,8 @@ METADATA = {"format": "pt"}
 
 _CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+#: The dtype codes zerompi reads (into a float32 or float64 master).
+READABLE = frozenset(_ITEMSIZE)
 
 
 def _numpy_dtype(code: str, where: str) -> np.dtype:
