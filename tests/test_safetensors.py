@@ -182,6 +182,11 @@ def test_export_writes_one_file_or_numbered_files_with_an_index(
     assert index["metadata"]["total_size"] == sum(a.nbytes for a in params.values())
     got = read_all(many)
     assert all(same(got[n], params[n]) for n in params)
+    (many / "notes.txt").write_text("kept")
+    assert checkpoint_main(["export", path, "--safetensors", str(many)]) == 0  # one file now
+    assert sorted(os.listdir(many)) == ["model.safetensors", "notes.txt"]  # no stale index
+    got = read_all(many)
+    assert all(same(got[n], params[n]) for n in params)
 
 
 @pytest.mark.mpi_skip

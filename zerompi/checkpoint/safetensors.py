@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from .format import CheckpointError, read_header, require_little_endian, verify
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+#: The numbered files of a sharded export.
+_NUMBERED = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 #: The largest file :func:`export` writes before it starts another (transformers'
 #: default ``max_shard_size``).
 MAX_SHARD_BYTES = 5 * 10**9
@@ -148,7 +151,9 @@ def export(
     """Write the parameters of the zerompi checkpoint ``checkpoint`` (every checksum
     verified first) into ``out_dir`` as safetensors: ``model.safetensors``, or
     numbered files and ``model.safetensors.index.json`` past ``max_bytes`` per file.
-    One tensor is in memory at a time. Returns the files written."""
+    One tensor is in memory at a time. The files of an earlier export there (of
+    another file count) are removed, so that the index read is this one's, as
+    ``transformers`` does. Returns the files written."""
     require_little_endian()
     checkpoint = os.fspath(checkpoint)
     problems = verify(checkpoint)
@@ -187,6 +192,9 @@ def export(
         with open(os.path.join(out_dir, INDEX), "w") as f:
             json.dump(index, f, indent=2)
         files = [*files, INDEX]
+    for stale in sorted(set(os.listdir(out_dir)) - set(files)):  # an earlier export's
+        if stale in (SINGLE, INDEX) or _NUMBERED.fullmatch(stale):
+            os.remove(os.path.join(out_dir, stale))
     return [os.path.join(out_dir, f) for f in files]
 
 
