@@ -210,6 +210,26 @@ def test_bcast_inplace(comm: MPI.Intracomm) -> None:
     assert_all(not problems, f"size {c.size}: " + "; ".join(problems))
 
 
+def test_bcast_inplace_moves_any_dtype(comm: MPI.Intracomm) -> None:
+    """A torch module's buffers are often integers or booleans (BERT's
+    ``position_ids``, masks): ``shard()`` broadcasts them from rank 0 as bytes."""
+    c = Comm(comm)
+    problems = []
+    for dtype in (np.int64, np.int32, np.bool_, np.uint8, np.complex64):
+        for shape in [(0,), (5,), (3, 4)]:
+            root = np.arange(int(np.prod(shape))).reshape(shape).astype(dtype)
+            buf = root.copy() if c.rank == 0 else np.full(shape, c.rank % 2, dtype=dtype)
+            c.bcast_inplace(buf)
+            if not np.array_equal(buf, root):
+                problems.append(f"{np.dtype(dtype)} {shape}: not root's data")
+    assert_all(not problems, f"size {c.size}: " + "; ".join(problems))
+
+
+def test_bcast_inplace_refuses_a_strided_array(comm: MPI.Intracomm) -> None:
+    with pytest.raises(ValueError, match="C-contiguous"):
+        Comm(comm).bcast_inplace(np.zeros((4, 4))[:, 1])
+
+
 # -- small collectives --------------------------------------------------------------------
 
 

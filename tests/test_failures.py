@@ -258,6 +258,27 @@ def test_failure_before_any_optimizer_ends_the_job() -> None:
     assert seconds_after_failure(out, end) < LIMIT, out
 
 
+AFTER_GLOO = """
+from mpi4py import MPI
+from zerompi.torch.gloo import init_gloo
+init_gloo(MPI.COMM_WORLD)  # torch wraps sys.excepthook here, pointing stderr at a StringIO
+if MPI.COMM_WORLD.rank == 1:
+    raise RuntimeError("failed after torch.distributed started")
+MPI.COMM_WORLD.barrier()
+"""
+
+
+def test_the_report_survives_torch_distributed_excepthook() -> None:
+    """torch's ``init_process_group`` wraps the excepthook in one that captures stderr
+    and prints it after the hook returns, which never happens when it aborts: the
+    report must go to the process's own stderr (it was lost before)."""
+    pytest.importorskip("torch")
+    code, out, _ = run([mpiexec(), "-n", "2", sys.executable, "-c", AFTER_GLOO], timeout=60)
+    assert code != 0, out
+    assert "RuntimeError: failed after torch.distributed started" in out, out
+    assert out.count(TRACEBACK) == 1, out
+
+
 def test_import_does_not_initialise_mpi() -> None:
     code, out, _ = run(
         [sys.executable, "-c", "import zerompi, sys; assert 'mpi4py.MPI' not in sys.modules"]

@@ -311,10 +311,14 @@ class Comm(FileIO, Agreement):
         self._count_allreduce(buf.nbytes)
 
     def bcast_inplace(self, buf: np.ndarray, root: int = 0, tag: int = -1) -> None:
-        """Overwrite ``buf`` on every rank with root's contents."""
-        self._start(_BC, tag, buf.shape[0])
-        buf = _wire(buf)
-        self._blocking("bcast", tag, lambda: self.mpi.Bcast([buf, _mpi_type(buf)], root=root))
+        """Overwrite ``buf`` (C-contiguous, any dtype: integer and boolean buffers of
+        torch modules too) on every rank with root's contents, moved as bytes."""
+        if not buf.flags.c_contiguous:
+            raise ValueError("bcast_inplace needs a C-contiguous array (a copy would not be "
+                             "written back)")  # fmt: skip
+        self._start(_BC, tag, buf.size)
+        raw = buf.reshape(-1).view(np.uint8)
+        self._blocking("bcast", tag, lambda: self.mpi.Bcast([raw, MPI.BYTE], root=root))
 
     def record_shared(self, op: str, tag: int, count: int) -> None:
         """Record a collective done through shared memory (:mod:`.shm`) in the

@@ -9,6 +9,7 @@ abort.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
@@ -126,10 +127,18 @@ def _raised_on_every_rank(exc: BaseException | None) -> bool:
 
 
 def _write_stderr(text: str) -> None:
-    """``text`` to stderr in one write (so ranks' reports do not interleave within it)."""
+    """``text`` to stderr in one write (so ranks' reports do not interleave within it).
+
+    The process's own stderr when ``sys.stderr`` is an in-memory stand-in: torch's
+    ``init_process_group`` wraps ``sys.excepthook`` in one that points ``sys.stderr``
+    at a ``StringIO`` while the previous hook (this one) runs and prints it afterwards,
+    which never comes when that hook ends the job."""
+    stream = sys.stderr
+    if isinstance(stream, io.StringIO) and sys.__stderr__ is not None:
+        stream = sys.__stderr__
     try:
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        stream.write(text)
+        stream.flush()
     except Exception:  # pragma: no cover - a closed stderr must not stop the abort
         pass
 
