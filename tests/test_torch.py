@@ -166,6 +166,64 @@ def test_stage_3_holds_a_module_s_parameters_only_while_it_runs(comm: MPI.Intrac
     assert_all(not problems, "\n".join(problems[:6]))
 
 
+class ReadsOutside(torch.nn.Module):
+    """Reads parameters outside the forward of the modules that register them: the
+    output head is the embedding's weight used by the top module (nanoGPT-style tying
+    without a second registration), and ``mix`` is never called, its weight and bias
+    go to ``F.linear`` from the top forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(13, 8)
+        self.mix = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.linear(self.emb(idx), self.mix.weight, self.mix.bias)
+        return self.norm(torch.tanh(h)) @ self.emb.weight.t()
+
+
+@pytest.mark.parametrize("bucket_elems", [40, 10_000])
+def test_stage_3_gathers_a_parameter_read_outside_its_module(
+    comm: MPI.Intracomm, bucket_elems: int
+) -> None:
+    """Stage 3 without a node copy, a model that reads parameters outside their
+    modules' forwards: the same losses and parameters as stage 2 (where every
+    parameter is always full), nothing left gathered after the forward of a no-grad
+    call or after the backward, and the same greedy outputs under ``no_grad``."""
+    results, problems = [], []
+    for stage, shared in ((2, None), (3, False)):
+        torch.manual_seed(0)
+        model, opt = shard(ReadsOutside(), stage=stage, comm=comm, shared_memory=shared,
+                           bucket_elems=bucket_elems, lr=1e-2)  # fmt: skip
+        losses = []
+        for step in range(3):
+            idx, target = batch(step, 0, comm.size)
+            mine = slice(comm.rank * 3, (comm.rank + 1) * 3)
+            loss = loss_of(model, idx[mine], target[mine])
+            loss.backward()
+            if opt.units is not None and any(opt.units.resident):
+                problems.append(f"step {step}: buckets still gathered after the backward")
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        with torch.no_grad():
+            logits = model(torch.arange(13))
+        if opt.units is not None and any(opt.units.resident):
+            problems.append("buckets still gathered after a no-grad forward")
+        results.append((losses, opt.zero.full_params(), logits))
+        opt.close()
+    (losses2, params2, logits2), (losses3, params3, logits3) = results
+    if not np.allclose(losses3, losses2, rtol=1e-6, atol=0):
+        problems.append(f"losses {losses3} != stage 2's {losses2}")
+    for name, want in params2.items():
+        if not np.allclose(params3[name], want, rtol=0, atol=1e-6):
+            problems.append(f"{name}: differs from stage 2")
+    if not torch.allclose(logits3, logits2, rtol=0, atol=1e-5):
+        problems.append("no-grad forward differs from stage 2's")
+    assert_all(not problems, "\n".join(problems[:6]))
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_parameters_are_views_and_gradients_land_in_zerompi(
     comm: MPI.Intracomm, stage: int

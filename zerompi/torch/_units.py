@@ -26,6 +26,15 @@ When, on every rank alike (torch runs the same hooks in the same order everywher
 
 Holds are counted: a bucket that two running modules use (a parent's parameter read
 while a child runs, a tied weight) is released by the last of them.
+
+A model may also read a parameter outside the forward of the module that registers it
+(``logits = h @ self.embed.weight.t()`` in the top module's forward, a parent passing
+its child's weight to ``F.linear``). While the top module's forward runs, a torch
+function mode (:class:`_Borrow`) sees every torch call; one that is given a released
+parameter gathers its bucket first (every rank runs the same forward, so every rank
+gathers the same bucket at the same point) and holds it until the top forward ends,
+then, with grad enabled, through the backward like a module's own (its saved tensors
+read the storage there). So the value is always the full one, never an empty tensor.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ._tensors import storage_array, to_numpy, torch_dtype
 
@@ -73,11 +83,16 @@ class Units:
         self.pending = [0] * count  # gradients still to come in this backward
         self.resident = [False] * count
         self._callback_queued = False
+        self.borrowed: list[int] = []  # buckets gathered for a read outside their modules
+        self._borrow = _Borrow(self)
+        self._depth = 0  # top forwards running (a model may call itself)
         for flat in self.flats:
             flat.untyped_storage().resize_(0)
         for index in range(count):
             self._stand_in(index)
         self._hook_modules(model)
+        model.register_forward_pre_hook(self._enter_top, prepend=True)
+        model.register_forward_hook(self._exit_top, always_call=True)
 
     # -- residency ---------------------------------------------------------------
 
@@ -128,6 +143,34 @@ class Units:
     def released_all(self) -> None:
         for index in range(len(self.flats)):
             self.holds[index] -= 1
+            self._release(index)
+
+    # -- reads outside a module's own forward -------------------------------------
+
+    def borrow(self, index: int) -> None:
+        """Collective: gather bucket ``index`` for a read outside the forward of the
+        modules that register it, held until the top forward ends."""
+        self.holds[index] += 1
+        self.borrowed.append(index)
+        self._gather(index)
+
+    def _enter_top(self, module: torch.nn.Module, args: Any) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._borrow.__enter__()
+
+    def _exit_top(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        self._borrow.__exit__(None, None, None)
+        borrowed, self.borrowed = self.borrowed, []
+        grad = torch.is_grad_enabled()
+        for index in borrowed:
+            self.holds[index] -= 1
+            if grad and not self.backward[index]:  # its saved tensors are read there
+                self.backward[index] = True
+                self.pending[index] = len(self.members[index])
             self._release(index)
 
     # -- hooks ---------------------------------------------------------------------
@@ -193,6 +236,29 @@ class Units:
             if waiting:
                 self.backward[index] = False
                 self._release(index)
+
+
+class _Borrow(TorchFunctionMode):
+    """Active while the top module's forward runs: a torch call given a released
+    parameter of ``units`` (as an argument, or in a list/tuple argument) gathers its
+    bucket first (:meth:`Units.borrow`)."""
+
+    def __init__(self, units: Units) -> None:
+        super().__init__()
+        self.units = units
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:  # fmt: skip
+        kwargs = kwargs or {}
+        units = self.units
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.nn.Parameter):
+                    index = units.bucket_of.get(item)
+                    if index is not None and not units.resident[index]:
+                        units.borrow(index)
+        return func(*args, **kwargs)
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
