@@ -211,10 +211,9 @@ def shard(
 
     Stage 3 (without a node copy of the parameters: over several nodes, or
     ``shared_memory=False``) gathers a module's parameters before its forward and
-    again before its backward and frees them after; read a parameter only inside the
-    forward of a module that registers it (a tied weight: register it in every module
-    that uses it, ``head.weight = emb.weight``). Elsewhere it is an empty tensor, and
-    so is every trainable parameter between steps: read them inside
+    again before its backward and frees them after; a parameter read elsewhere in the
+    model's forward is gathered for it (:mod:`._units`). Between steps every trainable
+    parameter is an empty tensor: read them inside
     ``with optimizer.full_parameters():``. Any error is raised on every rank."""
     from ..optimizer import ZeroOptimizer
 

@@ -4,8 +4,8 @@ units: at stage 3 a bucket is the parameters one module registers, of one dtype)
 
 Each bucket has one flat torch tensor of its size, in ``param_dtype``. While the
 bucket is *resident* its parameters' data are views into that tensor; otherwise a
-parameter's data is an empty tensor, so reading it outside its module gives a
-0-element tensor, never freed memory. Releasing resizes the flat tensor's storage to 0
+parameter's data is an empty tensor, so reading it between steps gives a 0-element
+tensor, never freed memory. Releasing resizes the flat tensor's storage to 0
 (the memory goes back); gathering resizes it again and fills it with ``Allgatherv``
 (:meth:`zerompi.ZeroOptimizer.gather_into`). The storage *object* stays the same, so
 views that autograd saved in the forward (``weight.t()``) read the re-gathered values

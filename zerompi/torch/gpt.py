@@ -41,8 +41,9 @@ class GPT(torch.nn.Module):
     """Token + position embeddings, ``layers`` :class:`Block` s, a final LayerNorm
     and a head tied to the token embedding (one parameter used twice). The head is a
     module that registers the tied weight, not ``x @ tok.weight.T`` in this forward:
-    sharded per module (zerompi's stage 3, FSDP), a parameter is only whole inside
-    the forward of a module that registers it."""
+    sharded per module, FSDP2 has a parameter whole only inside the forward of a
+    module that registers it (zerompi's stage 3 gathers one read elsewhere), and the
+    bench compares both on this model."""
 
     def __init__(self, vocab: int, seq: int, dim: int, layers: int, heads: int) -> None:
         super().__init__()
