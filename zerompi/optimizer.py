@@ -32,7 +32,7 @@ from .config import ZeroConfig, settle
 from .engine import Engine, build_engine
 from .guard import communicates, survive
 from .handover import Block, Found
-from .mpi.collectives import Comm
+from .mpi.collectives import Comm, Pending
 from .mpi.launch import install_abort_hook
 from .partition import Deferred, Layout
 from .timings import PHASES
@@ -218,6 +218,17 @@ class ZeroOptimizer:
         with engine.timings.gather:
             engine.comm.plan_allgatherv(out, bucket.counts, bucket.displs, index,
                                         send=engine.parts[index].gather_source).run()  # fmt: skip
+
+    def start_gather_into(self, index: int, out: np.ndarray) -> Pending:
+        """Collective, nonblocking: :meth:`gather_into` started; ``out`` belongs to MPI
+        until the returned request's ``wait()`` (the torch adapter's stage-3 prefetch:
+        the next module's gather moves while the current one computes)."""
+        engine = self.engine
+        bucket = engine.layout.buckets[index]
+        source = engine.parts[index].gather_source
+        planned = engine.comm.plan_allgatherv(out, bucket.counts, bucket.displs, index,
+                                              send=source)  # fmt: skip
+        return planned.start()
 
     # -- the step ----------------------------------------------------------------------
 

@@ -24,6 +24,17 @@ When, on every rank alike (torch runs the same hooks in the same order everywher
   resident for it (a parameter that got no gradient);
 * ``step()``, ``load()`` release everything first (the shards change).
 
+Prefetch: the first step records the order in which buckets are gathered (forward,
+then backward); from the next step on, as a bucket's gather completes, the gather of
+the one that came next in that order is started (nonblocking, into its own storage,
+if it has at least :data:`zerompi.prefetch.PREFETCH_MIN_ELEMS` elements), so it moves
+while the module computes; the module hooks let MPI progress it. At most two gathers
+are in flight (the one waited for and the one ahead). A gather that departs from the
+order completes the one in flight (every rank started it) and frees it, and
+prefetching stops for the rest of that step; each step's order is the next one's, so
+a changed order is learned again. Values are the same either way, only the overlap
+changes.
+
 Holds are counted: a bucket that two running modules use (a parent's parameter read
 while a child runs, a tied weight) is released by the last of them.
 
@@ -46,6 +57,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..prefetch import PREFETCH_MIN_ELEMS
 from ._tensors import storage_array, to_numpy, torch_dtype
 
 
@@ -84,6 +96,13 @@ class Units:
         self.resident = [False] * count
         self._callback_queued = False
         self.borrowed: list[int] = []  # buckets gathered for a read outside their modules
+        # prefetch: the gathers in flight, the order learned, this step's order so far
+        self.worth = [b.size >= PREFETCH_MIN_ELEMS for b in layout.buckets]
+        self.ahead: dict[int, Any] = {}
+        self.order: list[int] = []
+        self.seen: list[int] = []
+        self.following = False  # this step has kept to the order so far
+        self.prefetched = 0  # gathers served by a prefetch (tests, reports)
         self._borrow = _Borrow(self)
         self._depth = 0  # top forwards running (a model may call itself)
         for flat in self.flats:
@@ -96,15 +115,58 @@ class Units:
 
     # -- residency ---------------------------------------------------------------
 
+    def _allocate(self, index: int) -> np.ndarray:
+        flat = self.flats[index]
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        return storage_array(flat, self.dtypes[index])
+
     def _gather(self, index: int) -> None:
         if self.resident[index]:
             return
-        flat = self.flats[index]
-        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        self.zero.gather_into(index, storage_array(flat, self.dtypes[index]))
+        pending = self.ahead.pop(index, None)
+        if pending is not None:
+            with self.zero.engine.timings.gather:
+                pending.wait()
+            self.prefetched += 1
+        else:
+            if self.ahead:  # the order changed: complete what every rank started
+                self._drain()
+            self.zero.gather_into(index, self._allocate(index))
         self.resident[index] = True
         for param, view, _ in self.members[index]:
             param.data = view
+        self._prefetch_after(index)
+
+    def _prefetch_after(self, index: int) -> None:
+        """Bucket ``index`` was just gathered: if that is the order's next gather,
+        start the one after it (every rank decides alike: same calls, same order)."""
+        at = len(self.seen)
+        self.seen.append(index)
+        if not self.following:
+            return
+        order = self.order
+        if at >= len(order) or order[at] != index:
+            self.following = False
+            return
+        if at + 1 < len(order):
+            upcoming = order[at + 1]
+            idle = not self.resident[upcoming] and upcoming not in self.ahead
+            if self.worth[upcoming] and idle:
+                out = self._allocate(upcoming)
+                self.ahead[upcoming] = self.zero.start_gather_into(upcoming, out)
+
+    def _drain(self) -> None:
+        """Complete the gathers in flight and free their storages (unused: the order
+        departed from the learned one); no more prefetch in this step."""
+        self.following = False
+        for index, pending in self.ahead.items():
+            pending.wait()
+            self.flats[index].untyped_storage().resize_(0)
+        self.ahead.clear()
+
+    def _progress(self) -> None:
+        if self.ahead:
+            self.zero.comm.progress(list(self.ahead.values()))
 
     def _stand_in(self, index: int) -> None:
         for param, _, empty in self.members[index]:
@@ -129,6 +191,9 @@ class Units:
         A module still running (a step inside a forward) is an error."""
         if any(self.holds):
             raise RuntimeError("optimizer.step()/load() inside a module's forward")
+        self._drain()
+        self.order, self.seen = self.seen, []  # this step's order is the next one's
+        self.following = bool(self.order)
         self.backward = [False] * len(self.backward)
         self._callback_queued = False  # (a backward that raised never ran it)
         for index in range(len(self.flats)):
@@ -185,6 +250,7 @@ class Units:
 
     def _pre_forward(self, buckets: list[int]) -> Callable[..., None]:
         def pre_forward(module: torch.nn.Module, args: Any) -> None:
+            self._progress()
             for index in buckets:
                 self.holds[index] += 1
                 self._gather(index)
@@ -205,6 +271,7 @@ class Units:
 
     def _pre_backward(self, buckets: list[int]) -> Callable[[torch.Tensor], None]:
         def pre_backward(grad: torch.Tensor) -> None:
+            self._progress()
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
