@@ -58,6 +58,27 @@ def test_tiny_run_has_a_row_per_setup(tmp_path: Path) -> None:
     assert "| params | setup | step ms |" in proc.stdout
 
 
+def test_a_transformers_llama_runs_in_the_same_bench(tmp_path: Path) -> None:
+    """``--arch llama``: a model zerompi did not write, under stage 3 without shared
+    memory (module gathers, prefetch), DDP and FSDP2 (its decoder layers sharded):
+    every row runs and ends at the same loss."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "llama.json"
+    cmd = [sys.executable, "-m", "zerompi.bench", "--model", "gpt", "--arch", "llama",
+           "--sizes", "2e5", "--setups", "zerompi-3s,ddp,fsdp2", "--steps", "2",
+           "--warmup", "1", "--timeout", "90", "--json", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ZEROMPI_NO_ABORT_HOOK"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())
+    rows = results["rows"]
+    assert results["arch"] == "llama" and [r["arch"] for r in rows] == ["llama"] * 3
+    assert all(r["status"] == "ok" for r in rows), rows
+    losses = [r["last_loss"] for r in rows]
+    assert max(losses) - min(losses) <= 1e-4 * max(losses), losses
+    assert "(llama)" in proc.stdout
+
+
 def test_refused_under_mpiexec() -> None:
     """It launches mpiexec itself: a launcher's variables mean it was launched (Open
     MPI's here: MPICH, which the test runs with, ignores them)."""

@@ -22,6 +22,11 @@ values and the same per-rank batches, one thread per rank:
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block, then the root, on
   a CPU device mesh over gloo, and AdamW over its sharded parameters.
 
+``--arch llama`` times a Hugging Face ``transformers`` ``LlamaForCausalLM`` instead
+(random weights; :func:`llama_model`: the same width, blocks and vocabulary, a SwiGLU
+MLP of ``8/3`` the width, SDPA attention, tied embeddings; FSDP2 shards each decoder
+layer): a model zerompi did not write, as users bring it.
+
 The model of about P parameters is :func:`gpt_config`'s (4 blocks, the width that
 holds 80% of P, the vocabulary the rest: 16M is width 512 and 6,556 tokens, 64M width
 1024 and 13,230); each rank's batch is ``--rows`` sequences of ``--seq`` tokens
@@ -102,6 +107,44 @@ def gpt_config(params: int, seq: int) -> dict[str, int]:
     return {"vocab": vocab, "seq": seq, "dim": dim, "layers": LAYERS, "heads": max(1, dim // 64)}
 
 
+ARCHS = ("gpt", "llama")
+
+
+def llama_model(cfg: dict[str, int]) -> Any:
+    """A ``transformers`` Llama of :func:`gpt_config`'s size (random weights)."""
+    import transformers
+
+    dim = cfg["dim"]
+    config = transformers.LlamaConfig(
+        hidden_size=dim, intermediate_size=32 * round(8 * dim / 3 / 32),
+        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["heads"], vocab_size=cfg["vocab"],
+        max_position_embeddings=cfg["seq"], tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(config)
+
+
+def make_model(arch: str, cfg: dict[str, int]) -> Any:
+    """The network ``--arch`` names, built from ``cfg``."""
+    if arch == "llama":
+        return llama_model(cfg)
+    from ..torch.gpt import GPT
+
+    return GPT(**cfg)
+
+
+def blocks(model: Any) -> Any:
+    """The repeated blocks FSDP2 shards one by one."""
+    inner = getattr(model, "model", None)
+    return inner.layers if inner is not None else model.blocks
+
+
+def logits(output: Any) -> Any:
+    """A ``transformers`` output's logits, or the tensor a plain module returns."""
+    return getattr(output, "logits", output)
+
+
 # -- the worker: one setup, under mpiexec -----------------------------------------
 
 
@@ -138,7 +181,7 @@ def build(setup: str, model: Any, comm: Any, timeout: float) -> tuple[Any, Any, 
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (comm.size,))
-        for block in model.blocks:
+        for block in blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt, impl = _adamw(model.parameters())
@@ -177,17 +220,17 @@ def measure(args: argparse.Namespace, comm: Any) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from ..torch.gpt import GPT, batch, parameter_count
+    from ..torch.gpt import batch
 
     torch.set_num_threads(1)
     cfg = gpt_config(args.size, args.seq)
-    row: dict[str, Any] = {"setup": args.setup, "size": args.size, "ranks": comm.size,
-                           "params": parameter_count(cfg["vocab"], cfg["seq"], cfg["dim"],
-                                                     cfg["layers"]),
-                           "config": cfg, "rows_per_rank": args.rows}  # fmt: skip
     floor = max_rss_bytes()
     torch.manual_seed(0)
-    model = GPT(**cfg)
+    model = make_model(args.arch, cfg)
+    row: dict[str, Any] = {"setup": args.setup, "size": args.size, "ranks": comm.size,
+                           "arch": args.arch, "params": sum(p.numel() for p in
+                                                            model.parameters()),
+                           "config": cfg, "rows_per_rank": args.rows}  # fmt: skip
     error: BaseException | None = None
     try:
         module, opt, what = build(args.setup, model, comm, args.gloo_timeout)
@@ -201,7 +244,8 @@ def measure(args: argparse.Namespace, comm: Any) -> dict[str, Any]:
         data = batch(i, comm.rank, args.rows, cfg["seq"], vocab)
         comm.barrier()
         start = clock()
-        loss = F.cross_entropy(module(data[:, :-1]).reshape(-1, vocab), data[:, 1:].reshape(-1))
+        out = logits(module(data[:, :-1]))
+        loss = F.cross_entropy(out.reshape(-1, vocab), data[:, 1:].reshape(-1))
         loss.backward()
         middle = clock()
         opt.step()
@@ -282,12 +326,14 @@ def launch(setup: str, size: int, args: argparse.Namespace, folder: str) -> dict
     cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "zerompi.bench.gpt",
            "--setup", setup, "--size", str(size), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--seq", str(args.seq), "--rows", str(args.rows),
-           "--gloo-timeout", str(args.gloo_timeout), "--out", out]  # fmt: skip
+           "--gloo-timeout", str(args.gloo_timeout), "--arch", args.arch,
+           "--out", out]  # fmt: skip
     # The workers import the zerompi this command runs, wherever they start.
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))  # fmt: skip
-    row = {"setup": setup, "size": size, "ranks": args.ranks, "command": " ".join(cmd)}
+    row = {"setup": setup, "size": size, "ranks": args.ranks, "arch": args.arch,
+           "command": " ".join(cmd)}  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -323,6 +369,8 @@ def table(rows: list[dict[str, Any]]) -> str:
              "|---:|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for r in rows:
         params = f"{r.get('params', r['size']):,}"
+        if r.get("arch", "gpt") != "gpt":
+            params += f" ({r['arch']})"
         if r.get("status") == "ok":
             ratio = f"{r['vs_best_torch']:.2f}" if r["vs_best_torch"] is not None else "-"
             cells = [f"{r['step_ms']:.0f}", f"{r['forward_backward_ms']:.0f}", ratio,
@@ -357,6 +405,8 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
                    help="seconds one setup may take before it is killed (a failed row)")
     p.add_argument("--gloo-timeout", type=float, default=120.0,
                    help="seconds torch.distributed waits for a peer")
+    p.add_argument("--arch", choices=ARCHS, default="gpt",
+                   help="the network: zerompi.torch.gpt.GPT, or a transformers Llama")
     p.add_argument("--json", metavar="PATH", help="write every row to PATH")
     p.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)  # a worker
     p.add_argument("--size", type=count, help=argparse.SUPPRESS)
@@ -391,12 +441,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ok = row.get("status") == "ok"
                 shown = (f"{row['step_ms']:.0f} ms, {row['rss_mib']:.0f} MiB" if ok
                          else f"{row['status']}: {row['reason']}")  # fmt: skip
-                print(f"zerompi.bench gpt: {size:,} params, {setup}: {shown}", flush=True)
+                print(f"zerompi.bench gpt: {args.arch}, {size:,} params, {setup}: {shown}",
+                      flush=True)  # fmt: skip
                 rows.append(row)
     add_ratios(rows)
     print(table(rows), flush=True)
     if args.json:
-        write_json(args.json, {"ranks": args.ranks, "steps": args.steps, "warmup": args.warmup,
+        write_json(args.json, {"arch": args.arch, "ranks": args.ranks, "steps": args.steps,
+                               "warmup": args.warmup,
                                "seq": args.seq, "rows_per_rank": args.rows,
                                "argv": list(sys.argv[1:] if argv is None else argv),
                                "rows": rows})  # fmt: skip
