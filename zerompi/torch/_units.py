@@ -41,7 +41,7 @@ while a child runs, a tied weight) is released by the last of them.
 A model may also read a parameter outside the forward of the module that registers it
 (``logits = h @ self.embed.weight.t()`` in the top module's forward, a parent passing
 its child's weight to ``F.linear``). While the top module's forward runs, a torch
-function mode (:class:`_Borrow`) sees every torch call; one that is given a released
+function mode (``_Borrow``) sees every torch call; one that is given a released
 parameter gathers its bucket first (every rank runs the same forward, so every rank
 gathers the same bucket at the same point) and holds it until the top forward ends,
 then, with grad enabled, through the backward like a module's own (its saved tensors
