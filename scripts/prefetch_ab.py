@@ -1,0 +1,89 @@
+"""Stage 3's prefetch in the torch adapter, on and off, alternated in one run.
+
+    mpiexec -n 2 python scripts/prefetch_ab.py [--size 16e6] [--rounds 6] [--steps 4]
+                                               [--arch gpt|llama]
+
+The whole-step bench's model (``python -m zerompi.bench --model gpt``'s
+:func:`zerompi.bench.gpt.gpt_config`, or its ``--arch llama``) through
+``shard(stage=3, shared_memory=False)``: every module's parameters gathered before its
+forward and its backward. One optimizer; each round times ``--steps`` steps with the
+prefetch on (the buckets of at least ``PREFETCH_MIN_ELEMS`` elements gathered ahead,
+as shipped) and ``--steps`` with it off (every gather blocking), in alternating order
+(on-off, off-on, ...), after two untimed steps. A step: forward, backward, ``step()``,
+``zero_grad()``, from a barrier to its end, the slowest rank. Prints the median step
+of each side, their ratio and the gathers served ahead per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from zerompi.bench.gpt import gpt_config, logits, make_model
+from zerompi.runtime import count
+from zerompi.torch import shard
+from zerompi.torch.gpt import batch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=count, default=16_000_000)
+    p.add_argument("--arch", choices=("gpt", "llama"), default="gpt")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    args = p.parse_args()
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(1)
+    cfg = gpt_config(args.size, args.seq)
+    torch.manual_seed(0)
+    model = make_model(args.arch, cfg)
+    params = sum(p.numel() for p in model.parameters())
+    model, opt = shard(model, stage=3, shared_memory=False, lr=3e-4, weight_decay=0.1)
+    units = opt.units
+    shipped = list(units.worth)
+    vocab, step_no = cfg["vocab"], 0
+
+    def one_step() -> float:
+        nonlocal step_no
+        data = batch(step_no, comm.rank, 1, cfg["seq"], vocab)
+        step_no += 1
+        comm.Barrier()
+        start = time.perf_counter()
+        out = logits(model(data[:, :-1]))
+        F.cross_entropy(out.reshape(-1, vocab), data[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        return comm.allreduce(time.perf_counter() - start, MPI.MAX)
+
+    for _ in range(2):
+        one_step()
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    served: list[int] = []
+    for r in range(args.rounds):
+        for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            units.worth = shipped if side == "on" else [False] * len(shipped)
+            one_step()  # the first step after a switch follows the order learned before
+            for _ in range(args.steps):
+                before = units.prefetched
+                times[side].append(one_step())
+                if side == "on":
+                    served.append(units.prefetched - before)
+    opt.close()
+    if comm.rank == 0:
+        on, off = (1e3 * statistics.median(times[k]) for k in ("on", "off"))
+        print(f"prefetch A/B: {args.arch}, {params:,} "
+              f"params, W={comm.size}, {len(units.worth)} buckets "
+              f"({sum(shipped)} prefetchable), {args.rounds} rounds x {args.steps} steps "
+              f"per side, alternated")  # fmt: skip
+        print(f"median step ms: prefetch on {on:.1f}, off {off:.1f}, on/off {on / off:.3f}; "
+              f"gathers served ahead per step: {statistics.median(served):.0f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
