@@ -250,6 +250,8 @@ RECIPES: dict[str, Callable[[ZeroOptimizer, Path], object]] = {
     "full_params": lambda opt, tmp: opt.full_params(),
     "gather_into": lambda opt, tmp: opt.gather_into(
         0, np.empty(opt.layout.buckets[0].size, opt.layout.buckets[0].dtype)),
+    "start_gather_into": lambda opt, tmp: opt.start_gather_into(
+        0, np.empty(opt.layout.buckets[0].size, opt.layout.buckets[0].dtype)).wait(),
     "gather_state": lambda opt, tmp: opt.gather_state(),
     "gathered": lambda opt, tmp: _hand_over(opt),
     "gradients": lambda opt, tmp: _hand_over(opt),
@@ -304,7 +306,7 @@ def unguarded_collectives(cls: type, tmp: Path, recipes: dict[str, Callable[...,
               "b.w": np.ones(5, np.float32)}  # fmt: skip
     for setting in settings:
         for member in members:
-            if member not in recipes or (member == "gather_into"
+            if member not in recipes or (member in ("gather_into", "start_gather_into")
                                          and setting.get("gather_buffers", True)):
                 continue  # (gather_into: for the caller that has no gather buffers)
             if member == "gathered" and not setting.get("gather_buffers", True):

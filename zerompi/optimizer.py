@@ -219,6 +219,7 @@ class ZeroOptimizer:
             engine.comm.plan_allgatherv(out, bucket.counts, bucket.displs, index,
                                         send=engine.parts[index].gather_source).run()  # fmt: skip
 
+    @communicates
     def start_gather_into(self, index: int, out: np.ndarray) -> Pending:
         """Collective, nonblocking: :meth:`gather_into` started; ``out`` belongs to MPI
         until the returned request's ``wait()`` (the torch adapter's stage-3 prefetch:
