@@ -225,6 +225,20 @@ def test_bcast_inplace_moves_any_dtype(comm: MPI.Intracomm) -> None:
     assert_all(not problems, f"size {c.size}: " + "; ".join(problems))
 
 
+def test_bcast_object(comm: MPI.Intracomm) -> None:
+    """Root's picklable object on every rank, from every root; an object root cannot
+    pickle raises on every rank (no rank left waiting)."""
+    c = Comm(comm)
+    problems = []
+    for root in range(c.size):
+        got = c.bcast_object({"root": root, "rank": c.rank, "data": list(range(root))}, root)
+        if got != {"root": root, "rank": root, "data": list(range(root))}:
+            problems.append(f"root {root}: got {got!r:.80}")
+    assert_all(not problems, f"size {c.size}: " + "; ".join(problems))
+    with pytest.raises(CollectiveError, match="could not pickle"):
+        c.bcast_object(lambda: None if c.rank == 0 else 1, root=0)
+
+
 def test_bcast_inplace_refuses_a_strided_array(comm: MPI.Intracomm) -> None:
     with pytest.raises(ValueError, match="C-contiguous"):
         Comm(comm).bcast_inplace(np.zeros((4, 4))[:, 1])

@@ -401,6 +401,26 @@ class Comm(FileIO, Agreement):
     def barrier(self) -> None:
         self._blocking("barrier", -1, self.mpi.Barrier)
 
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Collective: ``root``'s (picklable) ``obj`` on every rank. Pickled on root
+        only and moved with buffer broadcasts (as :meth:`allgather`: the GIL is
+        released while waiting); an object root cannot pickle raises on every rank."""
+        if self.rank == root:
+            try:
+                message = pickle.dumps((True, obj), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # every rank must hear of it, not wait
+                message = pickle.dumps((False, f"{type(exc).__name__}: {exc}"))
+            data = np.frombuffer(message, np.uint8)
+        size = np.array([data.shape[0] if self.rank == root else 0], np.int64)
+        self._blocking("bcast", -1, lambda: self.mpi.Bcast([size, MPI.INT64_T], root=root))
+        if self.rank != root:
+            data = np.empty(int(size[0]), np.uint8)
+        self._blocking("bcast", -1, lambda: self.mpi.Bcast([data, MPI.BYTE], root=root))
+        ok, value = pickle.loads(data.tobytes())
+        if not ok:
+            raise CollectiveError(f"bcast_object: rank {root} could not pickle the object: {value}")
+        return value
+
     def sum_uint64(self, values: np.ndarray) -> np.ndarray:
         """Collective: elementwise sum of a small ``uint64`` array over ranks, modulo
         2**64 (unsigned overflow wraps), returned as a new array on every rank."""
