@@ -1,0 +1,221 @@
+"""``zerompi.hf.ZeroMPITrainer`` against a plain ``zerompi.torch.shard()`` loop, run by
+``tests/test_hf_trainer.py`` under ``mpiexec``. A tiny random GPT-2 (no dropout) on
+generated token sequences. Prints one ``RESULT {json}`` line on rank 0.
+
+    mpiexec -n 2 python tests/hf_trainer_script.py parity DIR
+        stages 1, 2 and 3 (3 without node shared memory: parameters are empty outside a
+        forward): the trainer (accumulation 2, max_grad_norm, decay groups, linear
+        schedule with warmup, sequential data sliced by rank) and the same training
+        written as a loop over shard(); save_model read back by from_pretrained;
+        optim='adafactor' refused on every rank; then a run of STEPS steps at stage 3
+        that saves checkpoint-3 (random order), its final parameters in DIR/full.pt.
+    mpiexec -n 1 python tests/hf_trainer_script.py resume DIR
+        resumes DIR/run/checkpoint-3 at one rank, stage 2, the same global batch, and
+        compares the final parameters with DIR/full.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # before transformers is imported
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    TrainingArguments,
+    get_linear_schedule_with_warmup,
+)
+
+from zerompi import ZeroConfig
+from zerompi.hf import ZeroMPITrainer
+from zerompi.mpi.collectives import Comm
+from zerompi.torch import shard
+
+torch.set_num_threads(1)
+comm = Comm()
+CONFIG = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=97, n_positions=16,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                    bos_token_id=0, eos_token_id=0)  # fmt: skip
+SAMPLES, LENGTH, BATCH, ACCUM, STEPS = 32, 12, 2, 2, 6
+#: AdamW with a large eps, so that the update depends on the gradient's scale (a loss
+#: scaled twice would show), and a max norm the first steps exceed.
+ADAM = {"learning_rate": 1e-2, "adam_beta1": 0.9, "adam_beta2": 0.99, "adam_epsilon": 1e-3,
+        "weight_decay": 0.1, "max_grad_norm": 1.0}  # fmt: skip
+TOKENS = torch.randint(0, 97, (SAMPLES, LENGTH), generator=torch.Generator().manual_seed(7))
+#: The labels: the tokens, with the first position and about a quarter of the others
+#: ignored (-100), so that ranks and micro-batches hold different numbers of label
+#: tokens. (HF's Trainer counts a GPT-2's labels unshifted: with the first one
+#: ignored its count is the number of tokens the loss sums.)
+_DROP = torch.rand(SAMPLES, LENGTH, generator=torch.Generator().manual_seed(8)) < 0.25
+LABELS = TOKENS.masked_fill(_DROP, -100)
+LABELS[:, 0] = -100
+
+
+class Tokens(torch.utils.data.Dataset):
+    """The generated sequences and their labels."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": TOKENS[i], "labels": LABELS[i]}
+
+
+def new_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(CONFIG)
+
+
+def arguments(out: str, **changes: object) -> TrainingArguments:
+    settings = {
+        "output_dir": out, "per_device_train_batch_size": BATCH,
+        "gradient_accumulation_steps": ACCUM, "max_steps": 4, "lr_scheduler_type": "linear",
+        "warmup_steps": 2, "use_cpu": True, "report_to": "none", "save_strategy": "no",
+        "logging_steps": 1, "disable_tqdm": True, "seed": 0, **ADAM,
+    }  # fmt: skip
+    settings.update(changes)
+    return TrainingArguments(**settings)
+
+
+def parameters(model: torch.nn.Module, optimizer: object) -> dict[str, torch.Tensor]:
+    with optimizer.full_parameters():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_change(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in b)
+
+
+def max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest ``max|a - b| / max|b|`` over the tensors (names must match)."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-12)).item() for n in b)
+
+
+def plain_loop(stage_settings: dict[str, object]) -> tuple[dict, list[float]]:
+    """The same training written by hand: rank r's micro-batch k holds samples
+    ``[(k*W + r)*B, +B)`` (sequential order, sliced by rank); the loss is the mean
+    over the label tokens of the whole global batch (every rank's micro-batches of
+    the step: the sum of this micro-batch's token losses over their count / W, as
+    zerompi averages over ranks); zerompi's AdamW with HF's decay groups and HF's
+    linear schedule."""
+    model = new_model()
+    names = [n for n, _ in model.named_parameters()]
+    no_decay = [n for n in names if n.endswith(".bias") or ".ln_" in n]
+    groups = [{"params": [n for n in names if n not in no_decay], "weight_decay": 0.1},
+              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+    model, opt = shard(model, lr=ADAM["learning_rate"], betas=(0.9, 0.99), eps=1e-3,
+                       weight_decay=0.1, decoupled_weight_decay=True, max_norm=1.0,
+                       param_groups=groups, **stage_settings)  # fmt: skip
+    scheduler = get_linear_schedule_with_warmup(opt, 2, 4)
+    norms = []
+    window = ACCUM * comm.size * BATCH
+    for step in range(4):
+        count = int((LABELS[step * window : (step + 1) * window] != -100).sum())
+        for micro in range(ACCUM):
+            k = step * ACCUM + micro
+            first = (k * comm.size + comm.rank) * BATCH
+            rows = slice(first, first + BATCH)
+            logits = model(input_ids=TOKENS[rows]).logits[:, :-1]
+            total = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), LABELS[rows, 1:].reshape(-1),
+                ignore_index=-100, reduction="sum")  # fmt: skip
+            (total / (count / comm.size)).backward()
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+        norms.append(opt.zero.last_grad_norm)
+    trained = parameters(model, opt)
+    opt.close()
+    return trained, norms
+
+
+def trainer_run(out: str, **keywords: object) -> tuple[dict, dict]:
+    """The trainer over the same data; its parameters and save_model read back."""
+    args = arguments(out, train_sampling_strategy="sequential")
+    trainer = ZeroMPITrainer(model=new_model(), args=args, train_dataset=Tokens(), **keywords)
+    trainer.train()
+    trained = parameters(trainer.model, trainer.sharded)
+    trainer.save_model(f"{out}/saved")
+    single = [torch.distributed.is_initialized(), args.world_size, args.process_index]
+    result: dict = {"single": comm.allgather(single)}
+    if comm.rank == 0:
+        back = GPT2LMHeadModel.from_pretrained(f"{out}/saved")
+        loaded = dict(back.named_parameters())
+        result |= {
+            "saved_names_match": sorted(loaded) == sorted(trained),
+            "saved_diff": max((loaded[n] - p).abs().max().item() for n, p in trained.items()),
+            "saved_tied": back.lm_head.weight.data_ptr() == back.transformer.wte.weight.data_ptr(),
+        }
+    trainer.close()
+    return trained, result
+
+
+def refused(out: str) -> list[str]:
+    """Every rank's error for optim='adafactor' (one each, none hanging)."""
+    try:
+        ZeroMPITrainer(model=new_model(), args=arguments(out, optim="adafactor"),
+                       train_dataset=Tokens())  # fmt: skip
+    except Exception as exc:  # the refusal, on every rank alike
+        return comm.allgather(f"{type(exc).__name__}: {exc}")
+    return comm.allgather("no error")
+
+
+def checkpointed_run(out: str) -> dict[str, torch.Tensor]:
+    """STEPS steps at stage 3 in random order, checkpoint-3 saved on the way."""
+    args = arguments(out, max_steps=STEPS, save_strategy="steps", save_steps=3)
+    trainer = ZeroMPITrainer(model=new_model(), args=args, train_dataset=Tokens(), stage=3)
+    trainer.train()
+    trained = parameters(trainer.model, trainer.sharded)
+    trainer.close()
+    return trained
+
+
+def parity(folder: str) -> dict:
+    result: dict = {"ranks": comm.size}
+    stages = {1: {"stage": 1}, 2: {"stage": 2}, 3: {"stage": 3, "shared_memory": False}}
+    for stage, settings in stages.items():
+        keywords: dict = {"stage": stage}
+        if stage == 3:  # a config and the stage over it
+            keywords["zero_config"] = ZeroConfig().replace(shared_memory=False)
+        trained, saved = trainer_run(f"{folder}/stage{stage}", **keywords)
+        reference, norms = plain_loop(settings)
+        initial = {n: p.detach() for n, p in new_model().named_parameters()}
+        result[f"stage{stage}"] = {
+            "diff": max_relative(trained, reference), "moved": max_change(trained, initial),
+            "norms": norms, **saved,
+        }  # fmt: skip
+    result["single"] = result["stage2"].pop("single")
+    result["refused"] = refused(f"{folder}/refused")
+    full = checkpointed_run(f"{folder}/run")
+    if comm.rank == 0:
+        torch.save(full, f"{folder}/full.pt")
+        result["checkpoint_files"] = sorted(os.listdir(f"{folder}/run/checkpoint-3"))
+    return result
+
+
+def resume(folder: str) -> dict:
+    """checkpoint-3 of the W=2 run, resumed here at stage 2 with a per-device batch
+    that keeps the global batch (W * B)."""
+    wide = BATCH * 2 // comm.size
+    args = arguments(f"{folder}/resumed", max_steps=STEPS, per_device_train_batch_size=wide)
+    trainer = ZeroMPITrainer(model=new_model(), args=args, train_dataset=Tokens(), stage=2)
+    trainer.train(resume_from_checkpoint=f"{folder}/run/checkpoint-3")
+    trained = parameters(trainer.model, trainer.sharded)
+    steps = trainer.state.global_step
+    trainer.close()
+    full = torch.load(f"{folder}/full.pt")
+    return {"ranks": comm.size, "diff": max_relative(trained, full), "steps": steps}
+
+
+if __name__ == "__main__":
+    mode, directory = sys.argv[1], sys.argv[2]
+    outcome = parity(directory) if mode == "parity" else resume(directory)
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(outcome), flush=True)

@@ -1,0 +1,96 @@
+"""``zerompi.hf.ZeroMPITrainer`` (``tests/hf_trainer_script.py`` under a subprocess
+``mpiexec``; serial run only, as ``tests/test_hf.py``): at stages 1, 2 and 3 the
+trainer ends where a plain ``shard()`` loop over the same data ends (accumulation,
+clipping, decay groups, warmup schedule, a loss averaged over every rank's label
+tokens); ``save_model`` is read by ``from_pretrained`` bit for bit; a refused
+``optim`` is an error on every rank; a checkpoint saved at 2 ranks and stage 3
+resumes at 1 rank and stage 2 to the parameters of the uninterrupted run; the example
+runs. Skipped without torch or transformers (CI installs both)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from test_failures import run
+from test_harness import mpiexec
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "hf_trainer_script.py"
+EXAMPLE = HERE.parent / "examples" / "hf_trainer.py"
+QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+         "HF_HUB_OFFLINE": "1"}  # fmt: skip
+pytestmark = pytest.mark.mpi_skip
+
+
+def launch(ranks: int, *argv: str, timeout: float = 150) -> tuple[int, str, dict | None]:
+    """``mpiexec -n ranks python argv...``: status, output and its RESULT line."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    status, out, _ = run([mpiexec(), "-n", str(ranks), sys.executable, *argv],
+                         timeout=timeout, **QUIET)  # fmt: skip
+    found = re.findall(r"RESULT (\{.*\})", out)  # (a log line may share its line)
+    return status, out, json.loads(found[0]) if len(found) == 1 else None
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The two-rank run of the script (the stages, the refusal, checkpoint-3)."""
+    folder = tmp_path_factory.mktemp("hf_trainer")
+    status, out, result = launch(2, str(SCRIPT), "parity", str(folder))
+    assert status == 0 and result is not None, out[-4000:]
+    return folder, result
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_trainer_ends_where_a_plain_shard_loop_ends(stage: int, parity: tuple) -> None:
+    result = parity[1][f"stage{stage}"]
+    assert parity[1]["ranks"] == 2
+    assert result["diff"] <= 1e-5, result
+    assert result["moved"] > 1e-3, result  # it trained
+    assert max(result["norms"]) > 1.0 > min(result["norms"]), result  # max_norm clipped some
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_save_model_is_read_by_from_pretrained_bit_for_bit(stage: int, parity: tuple) -> None:
+    result = parity[1][f"stage{stage}"]
+    assert result["saved_diff"] == 0.0, result
+    assert result["saved_names_match"] and result["saved_tied"], result
+
+
+@pytest.mark.timeout(200)
+def test_a_refused_optim_is_an_error_on_every_rank(parity: tuple) -> None:
+    errors = parity[1]["refused"]
+    assert len(errors) == 2 and all("optim='adafactor' is not supported" in e for e in errors)
+
+
+@pytest.mark.timeout(200)
+def test_each_rank_is_one_process_to_transformers(parity: tuple) -> None:
+    """use_cpu=True under mpiexec: no torch.distributed of accelerate's; the process
+    index is the rank (files written by rank 0 only)."""
+    assert parity[1]["single"] == [[False, 1, 0], [False, 1, 1]], parity[1]["single"]
+
+
+@pytest.mark.timeout(200)
+def test_a_checkpoint_resumes_at_another_world_size_and_stage(parity: tuple) -> None:
+    folder, result = parity
+    assert {"optimizer.zmpi", "model.safetensors", "scheduler.pt", "trainer_state.json",
+            "rng_state_0.pth", "rng_state_1.pth"} <= set(result["checkpoint_files"])  # fmt: skip
+    status, out, resumed = launch(1, str(SCRIPT), "resume", str(folder))
+    assert status == 0 and resumed is not None, out[-4000:]
+    assert resumed["steps"] == 6 and resumed["diff"] <= 1e-5, resumed
+
+
+@pytest.mark.timeout(200)
+def test_the_example_trains(tmp_path: Path) -> None:
+    status, out, result = launch(2, str(EXAMPLE), "--max-steps", "4", "--output-dir",
+                                 str(tmp_path), "--stage", "3")  # fmt: skip
+    assert status == 0 and result is not None, out[-4000:]
+    assert result["ranks"] == 2 and result["steps"] == 4, result
+    assert 0 < result["eval_loss"] < 10, result  # evaluate() ran at stage 3 on both ranks
+    assert (tmp_path / "final" / "model.safetensors").is_file()
