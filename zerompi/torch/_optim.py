@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -131,14 +131,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Collective: inside the block every trainable parameter holds its full value
         (stage 3 gathers them all; other stages hold them anyway), e.g. for
         ``model.state_dict()`` or an evaluation that reads parameters directly."""
-        if self.units is None:
+        units = self.units
+        if units is None:
             yield
             return
-        self.units.gathered_all()
+        generation = units.generation
+        units.gathered_all()
         try:
             yield
         finally:
-            self.units.released_all()
+            if units.generation == generation:  # (a recovery inside released them all)
+                units.released_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients added since the last step (no collective). At stages
@@ -175,6 +178,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.units is not None:
             self.units.release_all()
         self.zero.load_safetensors(path, strict)
+
+    def survive(self) -> AbstractContextManager[None]:
+        """``with optimizer.survive():`` around collectives of your own on
+        ``optimizer.zero.comm`` (a loss average): with ``elastic=True`` a lost rank
+        seen there is recovered from and :class:`zerompi.RankLost` raised on every
+        survivor, as inside the optimizer and the module's hooks
+        (:meth:`zerompi.ZeroOptimizer.survive`)."""
+        return self.zero.survive()
 
     def close(self) -> None:
         """Collective: release zerompi's buffers' shared memory (the module keeps its

@@ -20,10 +20,18 @@ What it does, collectively on every rank of ``comm``:
    hook per parameter that adds its gradient into the bucket's staging buffer
    (``opt.gradients``, cast to ``reduce_dtype``) and drops torch's copy, so a bucket
    is reduce-scattered as soon as its last parameter's gradient exists.
+
+With ``elastic=True`` a recovery from a lost rank swaps the ZeroOptimizer's engine
+for one built for the survivors (:mod:`zerompi.recovery`): its ``on_recovery``
+callback (:func:`_rebinder`) re-points every parameter and ``.grad`` view at the new
+engine's buffers, or re-binds stage 3's storages (:meth:`Units.rebind`), before
+:class:`zerompi.elastic.RankLost` reaches the training loop. Every hook looks the
+current buffers up when it runs, so none is registered twice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,11 +63,6 @@ def _check_settings(config: ZeroConfig) -> None:
     """What this adapter does not do (arguments: the same on every rank)."""
     if config.stage not in (0, 1, 2, 3):
         raise ValueError(f"zerompi.torch: stage must be 0, 1, 2 or 3, got {config.stage!r}")
-    if config.elastic.enabled:
-        raise ValueError(
-            "zerompi.torch: elastic=True is not supported by shard() yet (a recovery would "
-            "rebuild zerompi's buffers under the module's parameter views)"
-        )
 
 
 def _check_module(model: torch.nn.Module) -> None:
@@ -154,9 +157,12 @@ def _taken(param: torch.nn.Parameter) -> Deferred:
     return Deferred(tuple(param.shape), dtype, value, release)
 
 
-def _buffer_hook(view: torch.Tensor) -> Any:
+def _buffer_hook(views: dict[torch.nn.Parameter, torch.Tensor]) -> Any:
+    """The post-accumulate-grad hook of stages 0-1: ``.grad`` stays ``views[param]``,
+    looked up when it runs (a recovery replaces the views: :func:`_point`)."""
+
     def keep_in_buffer(param: torch.nn.Parameter) -> None:
-        grad = param.grad
+        grad, view = param.grad, views[param]
         if grad is not view:  # autograd made a new tensor (.grad was None): fold it in
             if grad.data_ptr() != view.data_ptr():
                 view.add_(grad)
@@ -206,8 +212,15 @@ def shard(
     ``reduce_dtype``: the dtype gradients are handed over and moved in (default
     float32; 16-bit ones are still summed in float32); ``loss_scale``: zerompi's
     (multiply the loss by ``optimizer.loss_scale`` before ``backward()``).
-    ``elastic=True`` is refused: a recovery would rebuild zerompi's buffers under the
-    module's parameter views.
+    ``elastic=True`` (Open MPI, ``mpiexec --with-ft ulfm``; ``snapshot_every``):
+    a rank lost anywhere in ``forward``, ``backward()``, ``step()`` or
+    ``zero_grad()`` raises :class:`zerompi.RankLost` on every survivor, out of
+    torch's hooks as well; by then the module's parameters (and ``.grad`` at stages
+    0-1) are views of the survivors' new buffers, holding the snapshot's values, so
+    the loop goes back to batch ``lost.step`` (each batch split over
+    ``optimizer.zero.comm.size`` ranks) and goes on with the same module and
+    optimizer; wrap collectives of your own in ``with optimizer.survive():``.
+    Stage 3 then always gathers per module (``elastic`` turns node memory off).
 
     Stage 3 (without a node copy of the parameters: over several nodes, or
     ``shared_memory=False``) gathers a module's parameters before its forward and
@@ -241,6 +254,7 @@ def shard(
     _broadcast_rest(zero.comm, model, zero_config.precision.param_dtype)
     hand_over = GradientHooks(zero)
     units, grad_views = _route(zero, model, named, hand_over)
+    zero.on_recovery.append(_rebinder(zero, named, units, grad_views, hand_over))
     engine = zero.engine
     torch_groups = [(i, [p for n, p in named if zero.param_group(n) == i])
                     for i in range(len(engine.configs))]  # fmt: skip
@@ -261,17 +275,51 @@ def _route(
         p.low_params or p.low_grads for p in zero.engine.precisions.values()
     )
     grad_views: dict[torch.nn.Parameter, torch.Tensor] | None = {} if views else None
+    if resident is None:
+        for _, param in named:
+            param.grad = None
+        return Units(zero, model, named, hand_over), None
+    _point(zero, named, grad_views)
+    for name, param in named:
+        if grad_views is not None:
+            param.register_post_accumulate_grad_hook(_buffer_hook(grad_views))
+        else:
+            param.register_post_accumulate_grad_hook(hand_over(name))
+    return None, grad_views
+
+
+def _point(
+    zero: Any, named: list[tuple[str, torch.nn.Parameter]],
+    grad_views: dict[torch.nn.Parameter, torch.Tensor] | None,
+) -> None:  # fmt: skip
+    """Every parameter a view of zerompi's resident (full or rounded) copy, and at
+    stages 0-1 its ``.grad`` (and ``grad_views``) one of the gradient buffer; else no
+    ``.grad``. At ``shard()`` and after each recovery (the new engine's buffers)."""
+    resident = zero.resident_params
+    if resident is None:
+        raise RuntimeError("zerompi.torch: the engine has no resident copy of the parameters")
     with torch.no_grad():
         for name, param in named:
             param.grad = None
-            if resident is not None:
-                param.data = to_torch(resident[name])
+            param.data = to_torch(resident[name])
             if grad_views is not None:
                 view = torch.from_numpy(zero.grads[name])
                 grad_views[param] = param.grad = view
-                param.register_post_accumulate_grad_hook(_buffer_hook(view))
-            elif resident is not None:
-                param.register_post_accumulate_grad_hook(hand_over(name))
-    if resident is not None:
-        return None, grad_views
-    return Units(zero, model, named, hand_over), None
+
+
+def _rebinder(
+    zero: Any, named: list[tuple[str, torch.nn.Parameter]], units: Units | None,
+    grad_views: dict[torch.nn.Parameter, torch.Tensor] | None, hand_over: GradientHooks,
+) -> Callable[[], None]:  # fmt: skip
+    """The ``on_recovery`` callback: the module onto the new engine's memory (its
+    parameter and gradient views, or stage 3's storages), and the gradient hooks'
+    per-backward state (a backward the loss interrupted never ran its callbacks)."""
+
+    def rebind() -> None:
+        hand_over.reset()
+        if units is not None:
+            units.rebind()
+        else:
+            _point(zero, named, grad_views)
+
+    return rebind

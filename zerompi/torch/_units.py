@@ -70,8 +70,29 @@ class Units:
         hand_over: Callable[[str], Callable[[torch.nn.Parameter], None]],
     ) -> None:  # fmt: skip
         self.zero = zero
-        layout = zero.layout
+        self.named = named
+        self.prefetched = 0  # gathers served by a prefetch (tests, reports)
+        #: Counts :meth:`rebind` calls: a block entered before one leaves its holds alone.
+        self.generation = 0
+        #: Storages of gathers a recovery abandoned in flight (MPI may still own them).
+        self.abandoned: list[torch.Tensor] = []
+        self.quiet = False  # re-binding: torch calls are not reads of the model's
+        self._bind()
+        for name, param in named:
+            param.register_post_accumulate_grad_hook(self._after_grad(name, hand_over(name)))
+        self._borrow = _Borrow(self)
+        self._depth = 0  # top forwards running (a model may call itself)
+        self._hook_modules(model)
+        model.register_forward_pre_hook(self._enter_top, prepend=True)
+        model.register_forward_hook(self._exit_top, always_call=True)
+
+    def _bind(self) -> None:
+        """Per engine: one flat storage per bucket, the parameters' views of it, and
+        every bucket released, nothing learned (at construction and :meth:`rebind`)."""
+        zero, layout = self.zero, self.zero.layout
         count = len(layout.buckets)
+        #: what the hooks' bucket indices stand for (a recovery must keep it)
+        self.buckets = [(b.dtype, b.start, b.stop, b.names) for b in layout.buckets]
         self.dtypes = [zero.engine.precisions[b.dtype].param for b in layout.buckets]
         self.flats = [torch.empty(b.size, dtype=torch_dtype(d))
                       for b, d in zip(layout.buckets, self.dtypes, strict=True)]  # fmt: skip
@@ -82,14 +103,14 @@ class Units:
         self.bucket_of: dict[torch.nn.Parameter, int] = {}
         specs = {spec.name: spec for spec in layout.params}
         with torch.no_grad():
-            for name, param in named:
+            for name, param in self.named:
                 index = layout.bucket_of[name]
                 spec, flat = specs[name], self.flats[index]
                 lo = spec.offset - layout.buckets[index].start
                 view = flat[lo : lo + spec.size].view(spec.shape)
                 self.members[index].append((param, view, flat.new_empty(0)))
                 self.bucket_of[param] = index
-                param.register_post_accumulate_grad_hook(self._after_grad(name, hand_over(name)))
+                param.grad = None
         self.holds = [0] * count  # forward holds
         self.backward = [False] * count  # resident for the backward running now
         self.pending = [0] * count  # gradients still to come in this backward
@@ -102,16 +123,33 @@ class Units:
         self.order: list[int] = []
         self.seen: list[int] = []
         self.following = False  # this step has kept to the order so far
-        self.prefetched = 0  # gathers served by a prefetch (tests, reports)
-        self._borrow = _Borrow(self)
-        self._depth = 0  # top forwards running (a model may call itself)
         for flat in self.flats:
             flat.untyped_storage().resize_(0)
         for index in range(count):
             self._stand_in(index)
-        self._hook_modules(model)
-        model.register_forward_pre_hook(self._enter_top, prepend=True)
-        model.register_forward_hook(self._exit_top, always_call=True)
+
+    def rebind(self) -> None:
+        """After a recovery (``zero`` runs on the survivors' engine): new storages for
+        the same buckets, every one released (the next forward gathers from the new
+        shards), holds and the learned prefetch order dropped. A gather in flight
+        belonged to the old world: its storage is kept (:attr:`abandoned`), never
+        freed under MPI. A forward the loss interrupted still ends through
+        ``_exit_top`` (``always_call``), which only leaves the borrow mode."""
+        fresh = [(b.dtype, b.start, b.stop, b.names) for b in self.zero.layout.buckets]
+        if fresh != self.buckets:
+            raise RuntimeError("zerompi.torch: the survivors' stage-3 buckets differ from "
+                               "the ones the module's hooks were registered for")  # fmt: skip
+        self.abandoned.extend(self.flats[index] for index in self.ahead)
+        self.quiet = True
+        try:
+            for index, flat in enumerate(self.flats):
+                storage = flat.untyped_storage()
+                if index not in self.ahead and storage.resizable():
+                    storage.resize_(0)
+            self._bind()
+        finally:
+            self.quiet = False
+        self.generation += 1
 
     # -- residency ---------------------------------------------------------------
 
@@ -319,6 +357,8 @@ class _Borrow(TorchFunctionMode):
     ) -> Any:  # fmt: skip
         kwargs = kwargs or {}
         units = self.units
+        if units.quiet:
+            return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(item, torch.nn.Parameter):
