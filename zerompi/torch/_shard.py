@@ -23,7 +23,7 @@ What it does, collectively on every rank of ``comm``:
 
 With ``elastic=True`` a recovery from a lost rank swaps the ZeroOptimizer's engine
 for one built for the survivors (:mod:`zerompi.recovery`): its ``on_recovery``
-callback (:func:`_rebinder`) re-points every parameter and ``.grad`` view at the new
+callback (``_rebinder``) re-points every parameter and ``.grad`` view at the new
 engine's buffers, or re-binds stage 3's storages (:meth:`Units.rebind`), before
 :class:`zerompi.elastic.RankLost` reaches the training loop. Every hook looks the
 current buffers up when it runs, so none is registered twice.
