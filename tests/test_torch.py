@@ -146,7 +146,9 @@ def test_stage_3_holds_a_module_s_parameters_only_while_it_runs(comm: MPI.Intrac
             problems.append(f"step {step}: parameters are held between steps {allocated()}")
         idx, target = batch(step, 0, 1)
         loss = loss_of(model, idx, target)
-        if allocated():
+        # from the second step on, the forward's last module's bucket may stay for the
+        # backward, which gathers it first (the order learned in step 0)
+        if allocated() and (step == 0 or allocated() != [units.kept]):
             problems.append(f"step {step}: buckets {allocated()} held after the forward")
         loss.backward()
         if allocated():
@@ -276,7 +278,7 @@ def test_stage_3_prefetch_learns_the_order_and_survives_a_change(comm: MPI.Intra
     is ahead of the one waited for, a step that runs the layers in another order (and
     the step after it, which learns it) gives stage 2's losses and parameters, and
     nothing is left in flight or allocated after a step."""
-    results, problems, served = [], [], []
+    results, problems, served, reused = [], [], [], []
     for stage, shared in ((2, None), (3, False)):
         torch.manual_seed(0)
         model, opt = shard(Stack(), stage=stage, comm=comm, shared_memory=shared,
@@ -296,6 +298,7 @@ def test_stage_3_prefetch_learns_the_order_and_survives_a_change(comm: MPI.Intra
             g = torch.Generator().manual_seed(step)
             x = torch.randn(2 * comm.size, 6, generator=g)[2 * comm.rank : 2 * comm.rank + 2]
             before = units.prefetched if units is not None else 0
+            kept_before = units.reused if units is not None else 0
             loss = model(x, reverse=step == 3).square().mean()
             loss.backward()
             opt.step()
@@ -303,6 +306,7 @@ def test_stage_3_prefetch_learns_the_order_and_survives_a_change(comm: MPI.Intra
             losses.append(loss.item())
             if units is not None:
                 served.append(units.prefetched - before)
+                reused.append(units.reused - kept_before)
                 if units.ahead or any(f.untyped_storage().nbytes() for f in units.flats):
                     problems.append(f"step {step}: gathers in flight or storages after step()")
         results.append((losses, opt.zero.full_params()))
@@ -319,6 +323,10 @@ def test_stage_3_prefetch_learns_the_order_and_survives_a_change(comm: MPI.Intra
     # departs at once (another first layer); 4 departs from step 3's order; 5 follows
     if served != [0, 6, 6, 0, 0, 6]:
         problems.append(f"gathers served by the prefetch per step: {served}")
+    # and the last layer's bucket, released by the forward and first gathered by the
+    # backward, is kept for it in the steps that follow the order
+    if reused != [0, 1, 1, 0, 0, 1]:
+        problems.append(f"gathers saved by keeping a bucket per step: {reused}")
     assert_all(not problems, "\n".join(problems[:6]))
 
 

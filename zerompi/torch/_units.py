@@ -32,8 +32,11 @@ while the module computes; the module hooks let MPI progress it. At most two gat
 are in flight (the one waited for and the one ahead). A gather that departs from the
 order completes the one in flight (every rank started it) and frees it, and
 prefetching stops for the rest of that step; each step's order is the next one's, so
-a changed order is learned again. Values are the same either way, only the overlap
-changes.
+a changed order is learned again. A bucket whose release comes right before the
+order's next gather of it (the forward's last module, where the backward begins; the
+first module after the backward of an accumulated micro-batch) is kept instead, one
+at most, and freed if the order departs. Values are the same either way, only the
+overlap and the number of gathers change.
 
 Holds are counted: a bucket that two running modules use (a parent's parameter read
 while a child runs, a tied weight) is released by the last of them.
@@ -72,6 +75,7 @@ class Units:
         self.zero = zero
         self.named = named
         self.prefetched = 0  # gathers served by a prefetch (tests, reports)
+        self.reused = 0  # gathers saved by keeping a bucket the order needed next
         #: Counts :meth:`rebind` calls: a block entered before one leaves its holds alone.
         self.generation = 0
         #: Storages of gathers a recovery abandoned in flight (MPI may still own them).
@@ -123,6 +127,7 @@ class Units:
         self.order: list[int] = []
         self.seen: list[int] = []
         self.following = False  # this step has kept to the order so far
+        self.kept = -1  # a bucket not freed because the order gathers it next, or -1
         for flat in self.flats:
             flat.untyped_storage().resize_(0)
         for index in range(count):
@@ -160,6 +165,10 @@ class Units:
 
     def _gather(self, index: int) -> None:
         if self.resident[index]:
+            if index == self.kept:  # kept for this very gather: it counts as one
+                self.kept = -1
+                self.reused += 1
+                self._prefetch_after(index)
             return
         pending = self.ahead.pop(index, None)
         if pending is not None:
@@ -168,7 +177,7 @@ class Units:
             self.prefetched += 1
         else:
             if self.ahead:  # the order changed: complete what every rank started
-                self._drain()
+                self._depart()
             self.zero.gather_into(index, self._allocate(index))
         self.resident[index] = True
         for param, view, _ in self.members[index]:
@@ -184,7 +193,7 @@ class Units:
             return
         order = self.order
         if at >= len(order) or order[at] != index:
-            self.following = False
+            self._depart()
             return
         if at + 1 < len(order):
             upcoming = order[at + 1]
@@ -202,6 +211,19 @@ class Units:
             self.flats[index].untyped_storage().resize_(0)
         self.ahead.clear()
 
+    def _depart(self) -> None:
+        """The order departed from the learned one: no more prefetch in this step, and
+        the bucket kept for a gather that will not come is freed."""
+        self._drain()
+        kept, self.kept = self.kept, -1
+        if kept >= 0:
+            self._release(kept)
+
+    def _next_in_order(self) -> int:
+        """The bucket the learned order gathers next (-1: none, or not following)."""
+        at = len(self.seen)
+        return self.order[at] if self.following and at < len(self.order) else -1
+
     def _progress(self) -> None:
         if self.ahead:
             self.zero.comm.progress(list(self.ahead.values()))
@@ -210,8 +232,15 @@ class Units:
         for param, _, empty in self.members[index]:
             param.data = empty
 
-    def _release(self, index: int) -> None:
+    def _release(self, index: int, keep: bool = True) -> None:
+        """Free bucket ``index`` if nothing holds it; unless (``keep``) the learned
+        order gathers it next (the last module of the forward, which the backward
+        starts with; the first one after an accumulation's backward): then it stays,
+        one bucket at most, and that gather costs nothing."""
         if self.resident[index] and self.holds[index] == 0 and not self.backward[index]:
+            if keep and self.kept < 0 and index == self._next_in_order():
+                self.kept = index
+                return
             self._stand_in(index)
             storage = self.flats[index].untyped_storage()
             if not storage.resizable():
@@ -234,8 +263,9 @@ class Units:
         self.following = bool(self.order)
         self.backward = [False] * len(self.backward)
         self._callback_queued = False  # (a backward that raised never ran it)
+        self.kept = -1
         for index in range(len(self.flats)):
-            self._release(index)
+            self._release(index, keep=False)
 
     def gathered_all(self) -> None:
         """Collective: every bucket resident (``ShardedOptimizer.full_parameters``)."""
@@ -246,7 +276,7 @@ class Units:
     def released_all(self) -> None:
         for index in range(len(self.flats)):
             self.holds[index] -= 1
-            self._release(index)
+            self._release(index, keep=False)
 
     # -- reads outside a module's own forward -------------------------------------
 
