@@ -179,7 +179,12 @@ DRIVER = ["--steps", "40", "--batch", "64", "--hidden", "32", "--in-dim", "16",
 class Job:
     """A ``mpiexec --with-ft ulfm`` run of tests/elastic_script.py in its own session."""
 
-    def __init__(self, tmp: Path, ranks: int, args: list[str], pauses: str = "") -> None:
+    def __init__(self, tmp: Path, ranks: int, args: list[str], pauses: str = "",
+                 script: Path = SCRIPT, wait: float = 60, run: float = 120) -> None:  # fmt: skip
+        """``script`` under ``ranks`` ranks; ``wait`` and ``run``: the default
+        seconds of :meth:`wait_marker` and :meth:`finish` (tests/test_torch_elastic.py
+        runs its own script, which imports torch, with more)."""
+        self.wait, self.run = wait, run
         self.control = tmp / "control"
         self.control.mkdir()
         self.json = tmp / "out.json"
@@ -187,15 +192,15 @@ class Job:
                    ZEROMPI_TEST_PAUSE=pauses, ZEROMPI_TIMEOUT="60")  # fmt: skip
         env.pop("ZEROMPI_NO_ABORT_HOOK", None)
         cmd = [mpiexec(), "--with-ft", "ulfm", "--oversubscribe", "-n", str(ranks),
-               sys.executable, str(SCRIPT), *args, "--json", str(self.json)]  # fmt: skip
+               sys.executable, str(script), *args, "--json", str(self.json)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=HERE.parent, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)  # fmt: skip
         self.started = time.monotonic()
 
-    def wait_marker(self, moment: str, ranks: int, timeout: float = 60) -> dict[int, int]:
+    def wait_marker(self, moment: str, ranks: int, timeout: float | None = None) -> dict[int, int]:
         """The PIDs of the ranks paused at ``moment`` (rank -> PID), once all are."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (self.wait if timeout is None else timeout)
         while time.monotonic() < deadline:
             found = {int(p.name.rpartition(".")[2]): int(p.read_text() or 0)
                      for p in self.control.glob(f"{moment}.*")}  # fmt: skip
@@ -207,9 +212,9 @@ class Job:
         self.kill()
         raise AssertionError(f"no {ranks} rank(s) reached {moment}:\n{self.output()}")
 
-    def finish(self, timeout: float = 120) -> tuple[int, str, dict]:
+    def finish(self, timeout: float | None = None) -> tuple[int, str, dict]:
         try:
-            out, _ = self.proc.communicate(timeout=timeout)
+            out, _ = self.proc.communicate(timeout=self.run if timeout is None else timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise

@@ -16,19 +16,16 @@ stages 1, 2 and 3 (stage 3 gathers per module: ``elastic`` turns node memory off
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import assert_all
 from mpi4py import MPI
-from test_harness import mpiexec
+from test_elastic import Job as ElasticJob
+from test_elastic import ulfm_only
 
 from zerompi import ZeroOptimizer
 from zerompi.mpi.agreement import CollectiveError
@@ -67,60 +64,13 @@ def test_shard_takes_elastic_where_the_optimizer_does(comm: MPI.Intracomm) -> No
 # -- under Open MPI with ULFM ---------------------------------------------------------
 
 
-#: This Python's MPI is Open MPI, whose mpiexec has --with-ft ulfm.
-ULFM = "Open MPI" in MPI.Get_library_version()
-ulfm_only = pytest.mark.skipif(not ULFM, reason="needs Open MPI's ULFM (scripts/test_openmpi)")
 STEPS = 12
 
 
-class Job:
-    """A ``mpiexec --with-ft ulfm`` run of tests/torch_elastic_script.py in its own session."""
-
-    def __init__(self, tmp: Path, ranks: int, args: list[str], pauses: str) -> None:
-        self.control = tmp / "control"
-        self.control.mkdir()
-        self.json = tmp / "out.json"
-        env = dict(os.environ, ZEROMPI_TEST_CONTROL=str(self.control),
-                   ZEROMPI_TEST_PAUSE=pauses, ZEROMPI_TIMEOUT="60")  # fmt: skip
-        env.pop("ZEROMPI_NO_ABORT_HOOK", None)
-        cmd = [mpiexec(), "--with-ft", "ulfm", "--oversubscribe", "-n", str(ranks),
-               sys.executable, str(SCRIPT), *args, "--json", str(self.json)]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, cwd=HERE.parent, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)  # fmt: skip
-
-    def wait_marker(self, moment: str, ranks: int, timeout: float = 90) -> dict[int, int]:
-        """The PIDs of the ranks paused at ``moment`` (rank -> PID), once all are."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = {int(p.name.rpartition(".")[2]): int(p.read_text() or 0)
-                     for p in self.control.glob(f"{moment}.*")}  # fmt: skip
-            if len(found) >= ranks and all(found.values()):
-                return found
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.kill()
-        raise AssertionError(f"no {ranks} rank(s) reached {moment}:\n{self.output()}")
-
-    def finish(self, timeout: float = 150) -> tuple[int, str, dict]:
-        try:
-            out, _ = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-        results = json.loads(self.json.read_text()) if self.json.exists() else {}
-        return self.proc.returncode, out, results
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def output(self) -> str:
-        self.kill()
-        return self.proc.communicate()[0]
+def Job(tmp: Path, ranks: int, args: list[str], pauses: str) -> ElasticJob:
+    """tests/test_elastic.py's ``mpiexec --with-ft ulfm`` job, running
+    tests/torch_elastic_script.py (torch's import: longer waits)."""
+    return ElasticJob(tmp, ranks, args, pauses, script=SCRIPT, wait=90, run=150)
 
 
 @pytest.mark.mpi_skip

@@ -30,41 +30,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
 from pathlib import Path
 
 import torch
 
-from zerompi import RankLost, step
+# tests/elastic_script.py's control: the PID file, pause(moment) and the "step:N"
+# pause in the agreement (importing it installs them; its driver does not run).
+from elastic_script import pause
+
+from zerompi import RankLost
 from zerompi.partition import shard_range
 from zerompi.torch import shard
 
-CONTROL = Path(os.environ["ZEROMPI_TEST_CONTROL"])
-PAUSES = {p for p in os.environ.get("ZEROMPI_TEST_PAUSE", "").split(",") if p}
-SECONDS = float(os.environ.get("ZEROMPI_TEST_PAUSE_S", "2"))
-RANK = os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "0"
-(CONTROL / f"pid.{RANK}").write_text(str(os.getpid()))
-done: set[str] = set()
 ROWS, IN, OUT, LR = 12, 6, 3, 1e-2  # ROWS per global batch: 3 per rank at W = 4, 4 at 3
-
-
-def pause(moment: str) -> None:
-    if moment in PAUSES and moment not in done:
-        done.add(moment)
-        (CONTROL / f"{moment}.{RANK}").write_text(str(os.getpid()))
-        time.sleep(SECONDS)
-
-
-agree = step.agree
-
-
-def _agree(engine, row):  # type: ignore[no-untyped-def]
-    pause(f"step:{engine.step_count + engine.skipped_steps + 1}")
-    return agree(engine, row)
-
-
-step.agree = _agree  # type: ignore[assignment]
 
 
 def make_model() -> torch.nn.Module:
