@@ -106,13 +106,25 @@ def reference_grads(script: Script, step: int, size: int) -> dict[str, np.ndarra
     return {n: t / (size * len(micro)) for n, t in totals.items()}
 
 
-def hand_over(opt: ZeroOptimizer, names: tuple[str, ...], grads: Mapping[str, np.ndarray]) -> None:
+def hand_over(opt: ZeroOptimizer, names: tuple[str, ...], grads: Mapping[str, np.ndarray],
+              api: str = "block", turn: int = 0) -> None:  # fmt: skip
+    """Add ``grads`` of ``names`` through ``opt.gradients`` (``api="block"``),
+    ``opt.add_gradients`` (``"add"``: a parameter's first hand-over of a micro-batch
+    overwrites its staging region), or the two taking turns (``"mixed"``)."""
+    if api == "add" or (api == "mixed" and turn % 2):
+        opt.add_gradients({n: grads[n] for n in expand(names)})
+        return
     with opt.gradients(*names) as g:
         for n, view in g.items():
             view[...] += grads[n]
 
 
-def play(opt: ZeroOptimizer, ref: ReferenceAdam, script: Script, steps: int) -> list[str]:
+#: How scripted hand-overs reach the optimizer (:func:`hand_over`).
+APIS = ["block", "add", "mixed"]
+
+
+def play(opt: ZeroOptimizer, ref: ReferenceAdam, script: Script, steps: int,
+         api: str = "block") -> list[str]:  # fmt: skip
     """Run ``script`` for ``steps`` steps (``accumulate()`` after each micro-batch when
     a step has several) and the reference on the same gradients. Params compared after
     every step in stages 0-2 and after the last in stage 3 (``full_params()``)."""
@@ -121,8 +133,8 @@ def play(opt: ZeroOptimizer, ref: ReferenceAdam, script: Script, steps: int) -> 
     for step in range(steps):
         micro = script(step)
         for handovers in micro:
-            for names, seed in handovers:
-                hand_over(opt, names, rank_grads(TINY, seed, comm.rank))
+            for turn, (names, seed) in enumerate(handovers):
+                hand_over(opt, names, rank_grads(TINY, seed, comm.rank), api, turn)
             if len(micro) > 1:
                 opt.accumulate()
         opt.step()
@@ -142,7 +154,8 @@ def reverse_groups(seed: int) -> Micro:
 BUCKETS = {0: [3], 1: [3], 2: [3, LARGE], 3: [1]}  # bucket_elems is moot in stage 3
 
 
-def run_script(comm: MPI.Intracomm, stage: int, script: Script, steps: int = 2) -> list[str]:
+def run_script(comm: MPI.Intracomm, stage: int, script: Script, steps: int = 2,
+               api: str = "block") -> list[str]:  # fmt: skip
     """``script`` against the reference, with two staging slots (``overlap``: a bucket
     may still be reducing while the next fills, or while the same bucket is handed
     over again) and with one, each through MPI and through node shared memory."""
@@ -161,27 +174,35 @@ def run_script(comm: MPI.Intracomm, stage: int, script: Script, steps: int = 2) 
             what = f"bucket_elems={bucket_elems} overlap={overlap} shared_memory={shared}"
             if opt.shared_memory != (shared and opt.nodes.uniform):  # used where it works
                 problems.append(f"{what}: opt.shared_memory is {opt.shared_memory}")
-            problems += [f"{what}: {p}" for p in play(opt, ref, script, steps)]
+            problems += [f"{what}: {p}" for p in play(opt, ref, script, steps, api)]
             opt.close()
     return problems
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_grad_with_reductions_in_flight(comm: MPI.Intracomm, stage: int) -> None:
+def test_zero_grad_with_reductions_in_flight(comm: MPI.Intracomm, stage: int, api: str) -> None:
     """Buckets handed over (their reductions started, not completed), then
     ``zero_grad()``: they are completed and discarded; the step sees only what comes
-    after."""
+    after (the shards the discarded reductions wrote are overwritten, not added to).
+    Then a step, a ``zero_grad()`` and a partial hand-over again before the next."""
     problems = []
     for overlap in (True, False):
         params = make_params(TINY, seed=5)
         opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=1, overlap=overlap,
                             **HYPER)  # fmt: skip
         ref = ReferenceAdam(params, **HYPER)
-        for names, seed in reverse_groups(3)[:4]:
-            hand_over(opt, names, rank_grads(TINY, seed, comm.rank))
+        for turn, (names, seed) in enumerate(reverse_groups(3)[:4]):
+            hand_over(opt, names, rank_grads(TINY, seed, comm.rank), api, turn)
         opt.zero_grad()
         problems += [f"overlap={overlap}: {p}" for p in play(opt, ref, lambda s: [
-            reverse_groups(7 + s)], 2)]  # fmt: skip
+            reverse_groups(7 + s)], 2, api)]  # fmt: skip
+        opt.zero_grad()
+        for turn, (names, seed) in enumerate(reverse_groups(4)[1:3]):
+            hand_over(opt, names, rank_grads(TINY, seed, comm.rank), api, turn)
+        opt.zero_grad()
+        problems += [f"overlap={overlap}, after: {p}" for p in play(opt, ref, lambda s: [
+            reverse_groups(9 + s)[2:]], 1, api)]  # fmt: skip
     verdict(problems, f"stage {stage}")
 
 
@@ -230,9 +251,12 @@ def piecemeal(step: int) -> list[Micro]:
     return [shifted, [(names, seed + 1) for names, seed in shifted[::-1]]]  # 2 micro-batches
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("stage", STAGES)
-def test_partial_hand_over_then_switching_buckets(comm: MPI.Intracomm, stage: int) -> None:
-    verdict(run_script(comm, stage, piecemeal), f"stage {stage}")
+def test_partial_hand_over_then_switching_buckets(
+    comm: MPI.Intracomm, stage: int, api: str
+) -> None:
+    verdict(run_script(comm, stage, piecemeal, api=api), f"stage {stage} {api}")
 
 
 def twice(step: int) -> list[Micro]:
@@ -245,9 +269,12 @@ def twice(step: int) -> list[Micro]:
     return [micro]
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("stage", STAGES)
-def test_the_same_parameter_handed_over_twice_sums(comm: MPI.Intracomm, stage: int) -> None:
-    verdict(run_script(comm, stage, twice), f"stage {stage}")
+def test_the_same_parameter_handed_over_twice_sums(
+    comm: MPI.Intracomm, stage: int, api: str
+) -> None:
+    verdict(run_script(comm, stage, twice, api=api), f"stage {stage} {api}")
 
 
 def skipping(step: int) -> list[Micro]:
@@ -260,9 +287,12 @@ def skipping(step: int) -> list[Micro]:
     return [[((g,), 1) for g in reversed(GROUPS) if g not in ("b", "c", "a")] + [(("a.w",), 1)]]
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_group_never_handed_over_has_zero_gradient(comm: MPI.Intracomm, stage: int) -> None:
-    verdict(run_script(comm, stage, skipping), f"stage {stage}")
+def test_a_group_never_handed_over_has_zero_gradient(
+    comm: MPI.Intracomm, stage: int, api: str
+) -> None:
+    verdict(run_script(comm, stage, skipping, api=api), f"stage {stage} {api}")
 
 
 def test_stage_2_full_grads_and_streamed_hand_over_add_up(comm: MPI.Intracomm) -> None:

@@ -259,6 +259,39 @@ def test_one_backward_per_step_gives_the_same_bits_at_stages_1_to_3(
     assert_all(not problems, "\n".join(problems[:6]))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_grad_discards_what_was_written_after_the_step(comm: MPI.Intracomm, mode: str) -> None:
+    """``zero_grad()`` right after ``step()`` finds the gradients already zero (the step
+    consumed them) and skips the zero-fill; what was written after the step, by a
+    backward or in place into ``.grad``, is discarded all the same. Three steps with a
+    discarded backward and in-place edit before each give the same bits as without."""
+    stage, shared = MODES[mode]
+    mine = slice(comm.rank * 3, (comm.rank + 1) * 3)
+    results = []
+    for detour in (False, True):
+        model, opt = shard(make_model(0), stage=stage, comm=comm, shared_memory=shared,
+                           bucket_elems=40, lr=1e-2)  # fmt: skip
+        for step in range(3):
+            opt.zero_grad()
+            opt.zero_grad()
+            if detour:
+                idx, target = batch(100 + step, 0, comm.size)
+                loss_of(model, idx[mine], target[mine]).backward()
+                opt.zero_grad()
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.grad.add_(1.0)  # an in-place write, no backward
+                opt.zero_grad()
+            idx, target = batch(step, 0, comm.size)
+            loss_of(model, idx[mine], target[mine]).backward()
+            opt.step()
+        results.append(opt.zero.full_params())
+        opt.close()
+    problems = [name for name, want in results[0].items()
+                if not np.array_equal(results[1][name], want)]  # fmt: skip
+    assert_all(not problems, f"the discarded gradients reached {problems[:6]}")
+
+
 class Stack(torch.nn.Module):
     """Linear layers run in order, or in reverse when asked (a changed order)."""
 

@@ -208,6 +208,18 @@ class ZeroOptimizer:
             return engine.reducer.block(engine.names.find(names))
 
     @communicates
+    def add_gradients(self, grads: Mapping[str, np.ndarray]) -> None:
+        """``with opt.gradients(*grads) as g:`` adding each array of ``grads`` (name
+        -> gradient of that parameter's shape or size) into ``g[name]``, in one call
+        and one pass over memory: in stages 2-3 a parameter's first hand-over in a
+        micro-batch is copied into its staging region, not added to a zero-filled one.
+        The names must be of one bucket at stages 2-3, as for ``gradients``."""
+        self._live("gradients")
+        engine = self.engine
+        with engine.timings.reduce:
+            engine.reducer.add(engine.names.find(tuple(grads)), grads)
+
+    @communicates
     def _handed_over(self, found: Found) -> None:
         """The end of an ``opt.gradients`` block (collective in stages 2-3)."""
         self.engine.handed_over(found)

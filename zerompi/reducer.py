@@ -11,7 +11,8 @@ plan, each driving one reduction backend per bucket (:mod:`zerompi.reduction`).
   micro-batch once every rank agreed to use them.
 
 Both expose the same interface to the engine: ``block(found)`` (what
-``opt.gradients`` enters), ``grads`` (``opt.grads``), ``end_micro_batch()``,
+``opt.gradients`` enters), ``add(found, grads)`` (``opt.add_gradients``),
+``grads`` (``opt.grads``), ``end_micro_batch()``,
 ``fold()``, ``flush()``, ``reduce(visit)`` (``visit(index)`` in bucket order as soon
 as bucket ``index``'s reduced gradient, ``parts[index].grad``, is complete),
 ``fused`` (per bucket, its statistics where its reduction computed them),
@@ -60,6 +61,12 @@ class FullGradients:
         """Views into the full gradient buffer (nothing happens on exit)."""
         _, names, _ = found
         return Block({n: self.grads[n] for n in names})
+
+    def add(self, found: Found, grads: Mapping[str, np.ndarray]) -> None:
+        """Add ``grads`` (name -> array) into the full gradient buffers."""
+        for name, grad in grads.items():
+            dst = self.grads[name]
+            np.add(dst, grad.reshape(dst.shape), out=dst)
 
     def _window(self, backends: Sequence[Backend | None], add: bool, visit: Visit) -> None:
         """Every bucket's reduction (``None``: none), :data:`REDUCE_WINDOW` in flight;
@@ -154,6 +161,19 @@ class StagedGradients:
             for row in self.offsets
         ]
         self.bucket_names = [frozenset(b.names) for b in layout.buckets]
+        #: per bucket, each parameter's ``(lo, hi)`` in the bucket's staging buffer,
+        #: when its parameters tile the bucket (else ``None``: zeroed at ``begin``)
+        self.ranges: list[dict[str, tuple[int, int]] | None] = []
+        for b in buckets:
+            specs = [names.specs[n] for n in b.names]
+            spans = {p.name: (p.offset - b.start, p.offset - b.start + p.size) for p in specs}
+            tiled = sum(hi - lo for lo, hi in spans.values()) == b.size
+            self.ranges.append(spans if tiled else None)
+        #: the open bucket's parameters not written since ``begin``: their staging
+        #: region is stale, so the first hand-over copies into it, and a block or
+        #: ``flush`` zeroes what is left (from ``zero_from``: what is not zero yet)
+        self.unwritten: set[str] = set()
+        self.zero_from = 0
         self.reductions = [0] * len(parts)  # per bucket, this step
         self.open: int | None = None  # bucket whose gradients fill the open slot
         self.slot = 0
@@ -203,6 +223,8 @@ class StagedGradients:
         if index < 0:
             single_bucket(self.layout, names, "gradients", 2 if self.make_full else 3)
         buf = self.begin(index)
+        if self.unwritten:  # the numpy API adds into them: they must hold zeros
+            self._zero_unwritten(buf, index, names)
         if not whole:
             return Block(self.names.views(buf, index, names), self.on_exit, found)
         cache = self.blocks[self.slot]
@@ -229,12 +251,50 @@ class StagedGradients:
         self.slot = slot
         buf = self.views[slot][index]
         clean = self.clean[self.layout.buckets[index].dtype]
-        if clean[slot] < buf.shape[0]:
-            buf[clean[slot] :].fill(0)
+        if self.ranges[index] is None:
+            if clean[slot] < buf.shape[0]:
+                buf[clean[slot] :].fill(0)
+        else:  # zeroed lazily: a parameter's first hand-over overwrites its region
+            self.unwritten = set(self.bucket_names[index])
+            self.zero_from = clean[slot]
         clean[slot] = 0  # written from now on
         self.open = index
         self.pending = None
         return buf
+
+    def add(self, found: Found, grads: Mapping[str, np.ndarray]) -> None:
+        """Add ``grads`` (name -> array of that parameter's shape or size) into the
+        staged gradients of ``found``'s parameters and hand them over: what a
+        ``gradients`` block does, in one call. A region not written since its slot
+        was begun is overwritten instead (one pass, no zero-fill first)."""
+        index, names, whole = found
+        if index < 0:
+            single_bucket(self.layout, names, "gradients", 2 if self.make_full else 3)
+        buf = self.begin(index)
+        spans, unwritten = self.ranges[index], self.unwritten
+        for name, grad in grads.items():
+            if spans is None:
+                dst = self.names.bucket_view(buf, index, name)
+                np.add(dst, grad.reshape(dst.shape), out=dst)
+                continue
+            lo, hi = spans[name]
+            if name in unwritten:
+                unwritten.discard(name)
+                np.copyto(buf[lo:hi], grad.reshape(-1), casting="same_kind")
+            else:
+                np.add(buf[lo:hi], grad.reshape(-1), out=buf[lo:hi])
+        self.handed_over(index, None if whole else list(grads))
+
+    def _zero_unwritten(self, buf: np.ndarray, index: int, names: Sequence[str] | None) -> None:
+        """Zero the stale regions of ``names`` (``None``: all) of the open bucket."""
+        spans, start = self.ranges[index], self.zero_from
+        assert spans is not None
+        for name in list(self.unwritten) if names is None else names:
+            if name in self.unwritten:
+                self.unwritten.discard(name)
+                lo, hi = spans[name]
+                if hi > start:
+                    buf[max(lo, start) : hi].fill(0)
 
     def handed_over(self, index: int, names: Sequence[str] | None) -> None:
         """``names`` of bucket ``index`` are handed over (``None``: all of them);
@@ -253,7 +313,10 @@ class StagedGradients:
         """Start reducing the open staging bucket into the gradient shard."""
         if self.open is not None:
             index, self.open = self.open, None
-            self._start(index, self.backends[index], self.views[self.slot][index], self.slot)
+            buf = self.views[self.slot][index]
+            if self.unwritten:  # parameters never handed over add zero
+                self._zero_unwritten(buf, index, None)
+            self._start(index, self.backends[index], buf, self.slot)
 
     def end_micro_batch(self) -> None:
         self.flush()
@@ -325,12 +388,12 @@ class StagedGradients:
     def discard(self) -> None:
         """Drop every gradient added or reduced since the last step."""
         self._complete(len(self.inflight))  # MPI must be done with the buffers first
-        for part in self.parts:
-            part.grad.fill(0)
+        # The shards need no zeroing: with no reduction counted, the next one
+        # overwrites them, and ``reduce`` zero-fills a bucket that had none.
         if self.full is not None:
             for grad in self.full.values():
                 grad.fill(0)
-        self.open, self.pending = None, None
+        self.open, self.pending, self.unwritten = None, None, set()
         self.consumed()
 
     def close(self) -> None:

@@ -74,6 +74,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: per torch group, the zerompi group it stands for
         self.zero_groups = [i for i, _ in groups]
         self._grad_views = grad_views
+        #: the gradient views' summed version counters when they were last known to
+        #: be zero (after a step or ``zero_grad``); ``None``: unknown
+        self._zeroed_at: int | None = None
+        zero.on_recovery.append(self._forget_zeroed)  # new views, counters from 0
         #: stage 3's per-bucket storages (None where parameters stay resident)
         self.units = units
         self._hand_over = hand_over
@@ -118,7 +122,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._hand_over is not None:
             self._hand_over.reset()
         self.zero.step()
+        self._zeroed_at = self._grad_versions()  # the step consumed the gradients
         return loss
+
+    def _forget_zeroed(self) -> None:
+        self._zeroed_at = None
+
+    def _grad_versions(self) -> int | None:
+        """The sum of the gradient views' version counters (stages 0-1; else
+        ``None``): every in-place write to a view (autograd's accumulation, the
+        buffer hook's fold, a user's ``mul_``) raises it, so an unchanged sum means
+        that no view was written since it was taken."""
+        views = self._grad_views
+        if views is None:
+            return None
+        return sum(view._version for view in views.values())
 
     @property
     def loss_scale(self) -> float:
@@ -146,13 +164,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients added since the last step (no collective). At stages
         0-1 ``.grad`` stays the (zeroed) buffer whatever ``set_to_none`` says: it is
-        where the next backward adds."""
-        self.zero.zero_grad()
+        where the next backward adds; when nothing wrote to it since ``step()`` (which
+        leaves it zero) it is not zero-filled again."""
+        versions = self._grad_versions()
+        if versions is None or versions != self._zeroed_at:
+            self.zero.zero_grad()
         if self._hand_over is not None:
             self._hand_over.reset()
         if self._grad_views is not None:
             for param, view in self._grad_views.items():
                 param.grad = view
+            self._zeroed_at = versions
         else:
             for group in self.param_groups:
                 for param in group["params"]:

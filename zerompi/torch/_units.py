@@ -435,10 +435,8 @@ class GradientHooks:
                 if self.fold and not self._queued:
                     self._queued = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._folded)
-            else:
-                with zero.gradients(name) as staged:
-                    dst = staged[name]
-                    np.add(dst, grad, out=dst)
+            else:  # one pass: copied where the staging region is fresh
+                zero.add_gradients({name: grad})
             param.grad = None  # torch's copy is folded in
 
         return hand_over
