@@ -241,6 +241,8 @@ def _hand_over(opt: ZeroOptimizer, names: tuple[str, ...] = ("a", "b")) -> None:
 #: How to call every public member of ZeroOptimizer (``tmp``: a temporary folder).
 #: A member missing here fails the test: say how it is called.
 RECIPES: dict[str, Callable[[ZeroOptimizer, Path], object]] = {
+    "add_gradients": lambda opt, tmp: ([opt.add_gradients({n: np.ones(s, np.float32)}) for n, s in (
+        ("a.w", (3, 4)), ("a.b", 4), ("b.w", 5))], opt.step()),
     "accumulate": lambda opt, tmp: (_hand_over(opt), opt.accumulate()),
     "close": lambda opt, tmp: opt.close(),
     "comm": lambda opt, tmp: opt.comm,
