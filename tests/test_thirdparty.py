@@ -1,5 +1,6 @@
 """Models someone else wrote (Hugging Face ``transformers`` GPT-2, Llama, BERT, built
-from small configs with random weights, unmodified) through ``zerompi.torch.shard``
+from small configs with random weights, and nanoGPT's GPT from the package index's
+``nano-gpt`` where installed, all unmodified) through ``zerompi.torch.shard``
 at stages 0, 1, 2, 3 and 3 without the node copy, against torch DDP in the same
 processes (``tests/thirdparty_parity.py`` under a subprocess ``mpiexec``; serial run
 only, as ``tests/test_hf.py``). Skipped without torch or transformers (CI installs
@@ -21,6 +22,7 @@ What is required, from the table the script prints:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -31,6 +33,11 @@ from test_failures import run
 from test_harness import mpiexec
 
 SCRIPT = Path(__file__).resolve().parent / "thirdparty_parity.py"
+
+
+def has_nanogpt() -> bool:
+    """Whether the package index's ``nano-gpt`` is installed (CI installs it)."""
+    return importlib.util.find_spec("nano_gpt") is not None
 #: world size -> float32 parameter tolerance (see the module docstring)
 PARAMS = {2: 1e-5, 3: 3e-5}
 
@@ -45,8 +52,9 @@ def test_third_party_models_match_ddp_at_every_stage(world: int) -> None:
     found = re.findall(r"RESULT (\{.*\})", out)
     assert status == 0 and len(found) == 1, out
     rows = json.loads(found[0])["rows"]
+    models = ("gpt2", "llama", "bert") + (("nanogpt",) if has_nanogpt() else ())
     assert {(r["model"], r["stage"], r["dtype"]) for r in rows} == {
-        (m, s, d) for m in ("gpt2", "llama", "bert") for s in ("0", "1", "2", "3", "3 own")
+        (m, s, d) for m in models for s in ("0", "1", "2", "3", "3 own")
         for d in ("float32", "bfloat16")}, rows  # fmt: skip
     table = "\n".join(line for line in out.splitlines() if line.startswith("|"))
     for r in rows:

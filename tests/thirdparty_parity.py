@@ -1,13 +1,17 @@
 """Models someone else wrote, unmodified, through ``zerompi.torch.shard`` at every
 stage, against torch's own DDP in the same processes, as a table.
 
-    mpiexec -n W python tests/thirdparty_parity.py [--steps 10] [--models gpt2,llama,bert]
+    mpiexec -n W python tests/thirdparty_parity.py [--steps 10] [--models gpt2,llama,bert,nanogpt]
 
 The models are Hugging Face ``transformers`` classes built from a small config with
 random weights: GPT-2 (eager attention, tied head, a causal-mask buffer), Llama
 (SDPA attention, grouped-query heads, rotary caches as buffers, tied embeddings) and
 a BERT-style encoder with its masked-LM head (the decoder's weight tied to the word
-embeddings). Each trains ``--steps`` steps twice over: with
+embeddings); and, where the package index's ``nano-gpt`` (0.1.0: Allen Porter's
+packaging of Karpathy's nanoGPT GPT-2, MIT) is installed, its ``nano_gpt.model.GPT``
+(SDPA causal attention, a registered ``bias`` mask buffer, ``wte`` tied to
+``lm_head``, called as ``model(x, targets) -> (logits, loss)``; no ``generate()``,
+so a greedy loop over its forward stands in). Each trains ``--steps`` steps twice over: with
 ``torch.nn.parallel.DistributedDataParallel`` on a gloo group of the same ranks and
 ``torch.optim.AdamW`` (two parameter groups: matrices decay, vectors do not and take
 another learning rate), ``clip_grad_norm_`` and a ``StepLR``; and with
@@ -78,9 +82,51 @@ def bert() -> torch.nn.Module:
     return transformers.BertForMaskedLM(config)
 
 
-#: name -> (builder, causal: generate() too)
-MODELS: dict[str, tuple[Callable[[], torch.nn.Module], bool]] = {
-    "gpt2": (gpt2, True), "llama": (llama, True), "bert": (bert, False)}  # fmt: skip
+def nanogpt() -> torch.nn.Module:
+    from nano_gpt.config import GPTConfig
+    from nano_gpt.model import GPT
+
+    config = GPTConfig(block_size=SEQ + 8, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32)
+    return GPT(config, tokenizer=None)  # (the tokenizer only serves its text sampling)
+
+
+def hf_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def nanogpt_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())[1]
+
+
+def hf_generate(model: torch.nn.Module, prompt: torch.Tensor) -> torch.Tensor:
+    return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                          max_new_tokens=6, do_sample=False, pad_token_id=0)  # fmt: skip
+
+
+def greedy(model: torch.nn.Module, prompt: torch.Tensor) -> torch.Tensor:
+    """nanoGPT's sampling loop (``nano_gpt.model.sample``) made greedy."""
+    x = prompt
+    for _ in range(6):
+        logits, _ = model(x)
+        x = torch.cat((x, logits[:, -1, :].argmax(-1, keepdim=True)), dim=-1)
+    return x
+
+
+Loss = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+Generate = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+#: name -> (builder, the loss of a micro-batch, generation: None for an encoder)
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Loss, Generate | None]] = {
+    "gpt2": (gpt2, hf_loss, hf_generate), "llama": (llama, hf_loss, hf_generate),
+    "bert": (bert, hf_loss, None), "nanogpt": (nanogpt, nanogpt_loss, greedy)}  # fmt: skip
+
+
+def available() -> list[str]:
+    """The models whose packages are installed (``nano-gpt`` is optional)."""
+    try:
+        import nano_gpt.model  # noqa: F401
+    except ImportError:
+        return [m for m in MODELS if m != "nanogpt"]
+    return list(MODELS)
 
 
 def make(name: str, rank: int) -> torch.nn.Module:
@@ -106,7 +152,7 @@ def groups(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 def train(
     module: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, world: int,
-    rank: int, ddp: torch.nn.Module | None,
+    rank: int, ddp: torch.nn.Module | None, loss_of: Loss,
 ) -> list[float]:  # fmt: skip
     """The loop both sides share; this rank's loss of every micro-batch."""
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
@@ -116,7 +162,7 @@ def train(
             ids = batch(step, micro, world, rank)
             quiet = ddp is not None and micro == 0
             with ddp.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[union-attr]
-                loss = (ddp or module)(input_ids=ids, labels=ids).loss
+                loss = loss_of(ddp or module, ids)
                 loss.backward()
             losses.append(loss.item())
         if ddp is not None:
@@ -127,13 +173,13 @@ def train(
     return losses
 
 
-def generated(model: torch.nn.Module) -> list[list[int]]:
-    """Greedy continuation of two fixed prompts."""
-    prompt = torch.arange(1, 9).reshape(2, 4)
+def generated(name: str, model: torch.nn.Module) -> list[list[int]]:
+    """Greedy continuation of two fixed prompts ([] for an encoder)."""
+    generate = MODELS[name][2]
+    if generate is None:
+        return []
     with torch.no_grad():
-        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                             max_new_tokens=6, do_sample=False, pad_token_id=0)  # fmt: skip
-    return out.tolist()
+        return generate(model, torch.arange(1, 9).reshape(2, 4)).tolist()
 
 
 def run_ddp(name: str, comm: MPI.Intracomm, steps: int) -> dict[str, Any]:
@@ -141,9 +187,9 @@ def run_ddp(name: str, comm: MPI.Intracomm, steps: int) -> dict[str, Any]:
     model = make(name, comm.rank)
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=init_gloo(comm))
     optimizer = torch.optim.AdamW(groups(model), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses = train(model, optimizer, steps, comm.size, comm.rank, ddp)
+    losses = train(model, optimizer, steps, comm.size, comm.rank, ddp, MODELS[name][1])
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    tokens = generated(model) if MODELS[name][1] else []
+    tokens = generated(name, model)
     return {"params": params, "losses": losses, "tokens": tokens}
 
 
@@ -155,12 +201,12 @@ def run_zerompi(
     model, opt = shard(model, comm=comm, lr=LR, weight_decay=WEIGHT_DECAY, max_norm=MAX_NORM,
                        param_groups=groups(model), param_dtype=dtype, **settings)  # fmt: skip
     try:
-        losses = train(model, opt, steps, comm.size, comm.rank, None)
+        losses = train(model, opt, steps, comm.size, comm.rank, None, MODELS[name][1])
         with opt.full_parameters():
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
         if dtype is None:
             params = {n: torch.from_numpy(v) for n, v in opt.zero.full_params().items()}
-        tokens = generated(model) if MODELS[name][1] else []
+        tokens = generated(name, model)
         return {"params": params, "losses": losses, "tokens": tokens}
     finally:
         opt.close()
@@ -207,7 +253,7 @@ def loss_rel(got: list[float], want: list[float]) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(available()))
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
