@@ -72,8 +72,8 @@ def main(argv: list[str]) -> int:
         def broken_adam_step(*args: object, **kwargs: object) -> None:
             fail_here(phase, rank)
 
-        # the step pipeline calls adam_step by its global name
-        sys.modules["zerompi.step"].adam_step = broken_adam_step
+        # the Adam rule calls adam_step by its global name
+        sys.modules["zerompi.rules.adam"].adam_step = broken_adam_step
     # Checkpoint I/O failures: the MPI-IO collective itself still runs (a real I/O
     # error is reported by the call, it does not skip it), then this rank raises.
     if failing and phase == "save":

@@ -283,7 +283,9 @@ def mismatches(
         problems += compare(params[name], want, exact, f"{what} param {name!r}")
     if state:
         moments = opt.gather_state()
-        for key, ref_moments in (("exp_avg", ref.exp_avg), ("exp_avg_sq", ref.exp_avg_sq)):
+        if sorted(moments) != sorted(ref.states):
+            problems.append(f"{what}: states {sorted(moments)}, want {sorted(ref.states)}")
+        for key, ref_moments in ref.states.items():
             for name, want in ref_moments.items():
                 problems += compare(moments[key][name], want, exact, f"{what} {key}[{name!r}]")
         blob = b"".join(np.ascontiguousarray(p).tobytes() for p in params.values())

@@ -535,7 +535,7 @@ def test_checkpoint_interface_of_the_engine() -> None:
     assert [e[0] for e in entries] == list(MIXED)
     assert all(tuple(e[1]) == MIXED[e[0]][0] and e[2] == MIXED[e[0]][1] for e in entries)
     assert set(opt.hyperparameters()) == {
-        "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled"
+        "rule", "states", "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled"
     }  # fmt: skip
     state.set_counters(engine, 7, 2)
     assert (opt.step_count, opt.skipped_steps) == (7, 2)

@@ -244,7 +244,7 @@ def test_verify_catches_an_averaging_error(
     elif error == "micro_batches_summed":
         monkeypatch.setattr(zerompi.driver.training, "micro_batch", _scaled_micro_batch(3))
     elif error == "adam_divisor":  # Adam divides by W instead of W * micro-batches
-        module = importlib.import_module("zerompi.step")  # the step pipeline's kernel call
+        module = importlib.import_module("zerompi.rules.adam")  # the Adam rule's kernel call
         adam_step = module.adam_step
 
         def wrong_adam(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -78,7 +78,7 @@ BAD_SETTINGS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("betas 1", {"betas": (0.9,)}, ValueError, "betas must be a pair (beta1, beta2), got (0.9,)"),
     ("betas 3", {"betas": (0.9, 0.99, 0.999)}, ValueError, "got (0.9, 0.99, 0.999)"),
     ("betas float", {"betas": 0.9}, ValueError, "betas must be a pair (beta1, beta2), got 0.9"),
-    ("betas None", {"betas": None}, ValueError, "betas must be a pair (beta1, beta2), got None"),
+    ("betas str", {"betas": "abc"}, ValueError, "betas must be a pair (beta1, beta2), got 'abc'"),
     ("wd < 0", {"weight_decay": -0.1}, ValueError, "weight_decay must be >= 0, got -0.1"),
     ("wd nan", {"weight_decay": float("nan")}, ValueError, "weight_decay must be finite, got nan"),
     ("decoupled 1", {"decoupled_weight_decay": 1}, TypeError, "must be a bool, got 1"),
@@ -137,8 +137,8 @@ LAYOUT = "the parameter layout (name, shape, dtype, group) differs between ranks
 
 
 SETTINGS = (
-    "the optimizer settings (stage, hyperparameters, param_groups, bucket_elems) differs "
-    "between ranks"
+    "the optimizer settings (stage, optimizer, hyperparameters, param_groups, bucket_elems) "
+    "differs between ranks"
 )
 
 
@@ -173,6 +173,8 @@ ODD_LAYOUTS: list[tuple[str, str, Callable[[], dict], dict[str, Any], str, str]]
         "0 has 4 items",
     ),
     ("lr", "last", good_params, {"lr": 2e-3}, SETTINGS, "lr=0.002"),
+    ("optimizer", "last", good_params, {"optimizer": "sgd"}, SETTINGS,
+     "item 1 is 'adam' on rank 0 but 'sgd'"),
     ("stage", "last", good_params, {"stage": 2}, SETTINGS, "item 0 is 1 on rank 0 but 2"),
     ("stage rank0", "first", good_params, {"stage": 2}, SETTINGS, "item 0 is 2 on rank 0 but 1"),
     ("stage 0", "last", good_params, {"stage": 0}, SETTINGS, "item 0 is 1 on rank 0 but 0"),
@@ -202,7 +204,7 @@ ODD_LAYOUTS: list[tuple[str, str, Callable[[], dict], dict[str, Any], str, str]]
         good_params,
         {"bucket_elems": 5},
         SETTINGS,
-        "item 3 is 4 on rank 0 but 5",
+        "item 4 is 4 on rank 0 but 5",
     ),
 ]
 

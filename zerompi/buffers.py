@@ -15,6 +15,7 @@ knows nothing of stages or plans.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -67,8 +68,6 @@ class Kind(Enum):
     GRAD_RECV = ("grad_recv", "communication_buffers", Placement.PRIVATE, False)
     GRADS_FULL = ("grads_full", "communication_buffers", Placement.PRIVATE, False)
     PARAM_BUCKET = ("param_bucket", "communication_buffers", Placement.NODE_COPY, False)
-    EXP_AVG = ("exp_avg", "optimizer_states", Placement.PRIVATE, False)
-    EXP_AVG_SQ = ("exp_avg_sq", "optimizer_states", Placement.PRIVATE, False)
     SCRATCH = ("scratch", "scratch", Placement.PRIVATE, False)
     SNAPSHOT_OWN = ("snapshot_own", "snapshots", Placement.PRIVATE, False)
     SNAPSHOT_HELD = ("snapshot_held", "snapshots", Placement.PRIVATE, False)
@@ -85,11 +84,29 @@ class Kind(Enum):
         self.initialized = initialized
 
 
+@dataclass(frozen=True)
+class StateKind:
+    """A per-element state of the optimizer's update rule (Adam's ``exp_avg``, SGD's
+    ``momentum_buffer``): a private buffer of the master dtype over what the rule
+    updates, zero at the start. The rule declares its states
+    (:attr:`zerompi.rules.Rule.states`); the plan, the checkpoints, the snapshots and
+    the estimator take them from there, as they take a :class:`Kind`."""
+
+    label: str
+    category: str = "optimizer_states"
+    shared: Placement = Placement.PRIVATE
+    initialized: bool = False
+
+
+#: What a buffer holds: one of the fixed kinds, or a state of the update rule.
+AnyKind = Kind | StateKind
+
+
 class PlannedBuffer(NamedTuple):
     """One buffer of an optimizer's plan: ``count`` elements of ``dtype``, for the
     parameters whose master dtype is ``group`` (``None``: ``dtype``), placed so."""
 
-    kind: Kind
+    kind: AnyKind
     dtype: np.dtype
     count: int
     group: np.dtype | None = None
@@ -134,7 +151,7 @@ def aligned_empty(count: int, dtype: np.dtype | type) -> np.ndarray:
 
 
 #: Buffers by kind, then by the master dtype of the parameters they serve.
-Stores = dict[Kind, dict[np.dtype, np.ndarray]]
+Stores = dict[AnyKind, dict[np.dtype, np.ndarray]]
 
 
 class BufferPool:

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from .adam import AdamConfig
 from .arrays import check_failure_settings, check_params
 from .partition import DEFAULT_BUCKET_ELEMS, Layout, default_group, optimizer_layout
 from .precision import LossScale, Precision, precision_settings
+from .rules import Rule, check_fields, rule_of
 from .settings import group_configs
 
 if TYPE_CHECKING:
@@ -103,8 +103,13 @@ FLAT: dict[str, tuple[str, str]] = {
 class ZeroConfig:
     """Every setting of a ``ZeroOptimizer`` (and of ``zerompi.torch.shard``).
 
-    ``stage`` 0 (plain data parallelism) to 3; Adam's ``lr``, ``betas``, ``eps``,
-    ``weight_decay`` (``decoupled_weight_decay=True``: AdamW); ``param_groups``
+    ``stage`` 0 (plain data parallelism) to 3; ``optimizer``, the update rule
+    (:mod:`zerompi.rules`: ``"adam"``, ``"sgd"``, ``"lion"``) and its hyperparameters:
+    ``lr`` and ``weight_decay`` for every rule (``decoupled_weight_decay=True``: AdamW,
+    SGDW; Lion's is always decoupled), ``betas`` (Adam, Lion; ``None``: the rule's
+    default, (0.9, 0.999) and (0.9, 0.99)) and ``eps`` (Adam), ``momentum``,
+    ``dampening`` and ``nesterov`` (SGD), a setting of another rule being an error;
+    ``param_groups``
     (torch's list of dicts by parameter name, :mod:`zerompi.settings`); ``max_norm``
     clips the global gradient norm, ``nonfinite`` (``"skip"`` or ``"raise"``) says
     what a non-finite gradient does; ``bucket_elems`` and ``group_of`` cut the flat
@@ -116,7 +121,7 @@ class ZeroConfig:
 
     stage: int = 1
     lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] | None = None
     eps: float = 1e-8
     weight_decay: float = 0.0
     decoupled_weight_decay: bool = False
@@ -131,6 +136,10 @@ class ZeroConfig:
     node_memory: NodeMemoryPolicy = NodeMemoryPolicy()
     overlap: OverlapPolicy = OverlapPolicy()
     elastic: ElasticPolicy = ElasticPolicy()
+    optimizer: str = "adam"
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
 
     def __post_init__(self) -> None:
         for name, policy in (("overlap", OverlapPolicy), ("elastic", ElasticPolicy)):
@@ -176,9 +185,10 @@ class Settings(NamedTuple):
     config: ZeroConfig
     #: ``(name, shape, dtype)`` of every parameter, in the model's order.
     specs: list[tuple[str, tuple[int, ...], np.dtype]]
-    #: Every parameter group's Adam settings (group 0: the config's) and each
-    #: parameter's group (:func:`zerompi.settings.group_configs`).
-    configs: list[AdamConfig]
+    #: Every parameter group's hyperparameters (group 0: the config's), the update
+    #: rule's config type, and each parameter's group
+    #: (:func:`zerompi.settings.group_configs`).
+    configs: list[Any]
     member: dict[str, int]
     max_norm: float | None
     timeout: float | None
@@ -187,6 +197,8 @@ class Settings(NamedTuple):
     #: Whether to use node shared memory: ``False`` never, ``True`` insist, ``None``
     #: where it helps (:func:`zerompi.engine.choose_shared` decides).
     shared_memory: bool | None
+    #: The update rule (:mod:`zerompi.rules`).
+    rule: Rule
 
     def layout(self, size: int, rank: int) -> Layout:
         """The flat layout of the model on ``rank`` of a world of ``size``."""
@@ -217,12 +229,10 @@ def settle(
         check_world()
         c = config_of(config, keywords)
         specs = check_params(params)
-        try:
-            b1, b2 = c.betas
-        except (TypeError, ValueError):
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {c.betas!r}") from None
-        base = AdamConfig(c.lr, b1, b2, c.eps, c.weight_decay, c.decoupled_weight_decay)
-        configs, member = group_configs(base, c.param_groups, [n for n, _, _ in specs])
+        rule = rule_of(c.optimizer)
+        check_fields(rule, c)
+        configs, member = group_configs(rule, rule.base(c), c.param_groups,
+                                        [n for n, _, _ in specs])  # fmt: skip
         layout = optimizer_layout(specs, comm.size, comm.rank, c.stage, c.bucket_elems, c.group_of)
         keys = [c.group_of(name) for name, _, _ in specs]
         max_norm = check_failure_settings(c.max_norm, c.nonfinite)
@@ -238,10 +248,11 @@ def settle(
             p.rounding,
         )  # fmt: skip
         settings = Settings(c, specs, configs, member, max_norm, seconds, precisions, scaler,
-                            shared)  # fmt: skip
+                            shared, rule)  # fmt: skip
         sections = [
-            ("the optimizer settings (stage, hyperparameters, param_groups, bucket_elems)",
-             (c.stage, configs, sorted(member.items()), int(c.bucket_elems))),
+            ("the optimizer settings (stage, optimizer, hyperparameters, param_groups, "
+             "bucket_elems)",
+             (c.stage, rule.name, configs, sorted(member.items()), int(c.bucket_elems))),
             ("the failure settings (max_norm, nonfinite)", (max_norm, c.nonfinite)),
             ("(overlap, shared_memory, gather_buffers)",
              (c.overlap.enabled, shared, bool(c.gather_buffers))),

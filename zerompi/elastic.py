@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .buffers import Kind, PlannedBuffer
-from .plan import STATE_KINDS
+from .buffers import Kind, PlannedBuffer, StateKind
+from .plan import ADAM_STATES, state_kinds
 
 if TYPE_CHECKING:
     from .partition import Layout
@@ -127,12 +127,15 @@ def elastic_setup(comm: Any) -> None:
 # -- layout of a snapshot -------------------------------------------------------------
 
 
-def pieces(layout: Layout, rank: int) -> list[tuple[str, int, int, np.dtype]]:
+def pieces(
+    layout: Layout, rank: int, states: Sequence[StateKind] = ADAM_STATES
+) -> list[tuple[str, int, int, np.dtype]]:
     """``(section, first global element, count, dtype)`` of every piece of ``rank``'s
-    shard state, in the order of :func:`zerompi.state.state_shards` (any rank, any
-    world size of ``layout``'s buckets)."""
+    shard state (the parameters and the update rule's ``states``), in the order of
+    :func:`zerompi.state.state_shards` (any rank, any world size of ``layout``'s
+    buckets)."""
     out = []
-    for kind in STATE_KINDS:
+    for kind in state_kinds(states):
         for bucket in layout.buckets:
             lo, hi = bucket.local(rank)
             section = f"{kind.label}.{bucket.dtype.name}"
@@ -150,9 +153,9 @@ def offsets(parts: Sequence[tuple[str, int, int, np.dtype]]) -> tuple[list[int],
     return out, at
 
 
-def snapshot_bytes(layout: Layout, rank: int) -> int:
+def snapshot_bytes(layout: Layout, rank: int, states: Sequence[StateKind] = ADAM_STATES) -> int:
     """Bytes of ``rank``'s snapshot."""
-    return offsets(pieces(layout, rank))[1]
+    return offsets(pieces(layout, rank, states))[1]
 
 
 def buddy_ranks(
@@ -171,11 +174,13 @@ def buddy_ranks(
     return (rank + 1) % size, (rank - 1) % size
 
 
-def snapshot_plan(layout: Layout, rank: int, source: int) -> list[PlannedBuffer]:
+def snapshot_plan(
+    layout: Layout, rank: int, source: int, states: Sequence[StateKind] = ADAM_STATES
+) -> list[PlannedBuffer]:
     """The snapshot buffers of ``rank`` holding ``source``'s (category ``snapshots``):
     3 x the shard state, plus 64 bytes of counters per buffer."""
     u8 = np.dtype(np.uint8)
-    own, theirs = snapshot_bytes(layout, rank), snapshot_bytes(layout, source)
+    own, theirs = snapshot_bytes(layout, rank, states), snapshot_bytes(layout, source, states)
     sizes = (own, theirs, theirs)
     return [PlannedBuffer(kind, u8, n) for kind, n in zip(SLOTS, sizes, strict=True)]
 
@@ -220,10 +225,11 @@ class Snapshots:
     def __init__(
         self, every: int, comm: Any, layout: Layout, live: Sequence[np.ndarray],
         buddy: int, source: int, stores: dict[str, np.ndarray], exchange: Any,
+        states: Sequence[StateKind] = ADAM_STATES,
     ) -> None:  # fmt: skip
         self.every, self.comm, self.layout = every, comm, layout
         self.buddy, self.source = buddy, source
-        self.mine, self.theirs = pieces(layout, comm.rank), pieces(layout, source)
+        self.mine, self.theirs = pieces(layout, comm.rank, states), pieces(layout, source, states)
         self.live = list(live)
         own, held, next_ = (stores[kind.label] for kind in SLOTS)
         self.own = typed_views(own, self.mine)
@@ -348,20 +354,23 @@ class Move:
     count: int
 
 
-def moves(old: Layout, old_size: int, new: Layout, new_size: int) -> list[Move]:
+def moves(
+    old: Layout, old_size: int, new: Layout, new_size: int,
+    states: Sequence[StateKind] = ADAM_STATES,
+) -> list[Move]:  # fmt: skip
     """Every run of elements between the shard pieces of the old and the new world,
     in one order every rank computes alike (by new rank, its pieces, then old rank
     and piece): what the re-shard's ``Alltoallv`` packs and unpacks."""
     olds: dict[str, list[tuple[int, int, int, int]]] = {}
     for r in range(old_size):
-        for i, (section, first, count, _) in enumerate(pieces(old, r)):
+        for i, (section, first, count, _) in enumerate(pieces(old, r, states)):
             if count:
                 olds.setdefault(section, []).append((first, count, r, i))
     for runs in olds.values():
         runs.sort()
     out = []
     for n in range(new_size):
-        for j, (section, first, count, _) in enumerate(pieces(new, n)):
+        for j, (section, first, count, _) in enumerate(pieces(new, n, states)):
             stop = first + count
             for o_first, o_count, r, i in olds.get(section, ()):
                 lo, hi = max(first, o_first), min(stop, o_first + o_count)
@@ -373,7 +382,7 @@ def moves(old: Layout, old_size: int, new: Layout, new_size: int) -> list[Move]:
 def reshard(
     comm: Any, old: Layout, old_size: int, new: Layout, where: dict[int, tuple[int, str]],
     sources: Callable[[int, str], list[np.ndarray]], targets: Sequence[np.ndarray],
-    alltoallv: Callable[..., None],
+    alltoallv: Callable[..., None], states: Sequence[StateKind] = ADAM_STATES,
 ) -> None:  # fmt: skip
     """Collective over the new world ``comm``: fill this rank's shard pieces
     (``targets``, in :func:`pieces` order of ``new``) from the old world's states,
@@ -381,8 +390,8 @@ def reshard(
     pieces), with one exact-count byte ``alltoallv`` (:func:`zerompi.mpi.ulfm.alltoallv_bytes`);
     what this rank holds and keeps is copied in place, not packed."""
     me, size = comm.rank, comm.size
-    plan = moves(old, old_size, new, size)
-    dtypes = {r: [d for *_, d in pieces(old, r)] for r in range(old_size)}
+    plan = moves(old, old_size, new, size, states)
+    dtypes = {r: [d for *_, d in pieces(old, r, states)] for r in range(old_size)}
     send_counts, recv_counts = [0] * size, [0] * size
     views: dict[int, list[np.ndarray]] = {}
     for m in plan:

@@ -19,11 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .adam import AdamConfig
 from .arrays import FlatArrays
 from .buffers import BufferPool, Kind, Placement, PlannedBuffer, Stores
 from .config import Settings
@@ -66,6 +65,7 @@ from .reduction import (
     ReduceScatter,
     Split,
 )
+from .rules import Rule
 from .settings import Segment, adam_segments
 from .timings import Timings
 
@@ -97,16 +97,17 @@ class Engine:
     access: Access
     reducer: FullGradients | StagedGradients
     gatherer: NoGather
-    #: Adam's runs of buckets contiguous in memory, per run the index of its first
-    #: rounded element in its buffer (stochastic rounding's stream position) and its
-    #: segments of one parameter group (:func:`zerompi.settings.adam_segments`).
-    adam_runs: list[Run]
+    #: The update rule's runs of buckets contiguous in memory (arrays: ``param``,
+    #: ``grad``, each state, ``low``), per run the index of its first rounded element
+    #: in its buffer (stochastic rounding's stream position) and its segments of one
+    #: parameter group (:func:`zerompi.settings.adam_segments`).
+    update_runs: list[Run]
     low_bases: list[int]
     segments: list[list[Segment]]
     stats_runs: StatsRuns
-    #: Every parameter group's Adam settings (changed by ``set_hyperparameters``) and
-    #: each parameter's group.
-    configs: list[AdamConfig]
+    #: Every parameter group's hyperparameters (the rule's config type; changed by
+    #: ``set_hyperparameters``) and each parameter's group.
+    configs: list[Any]
     member: dict[str, int]
     scaler: LossScale | None
     snapshots: Snapshots | NoSnapshots = field(default_factory=NoSnapshots)
@@ -129,6 +130,11 @@ class Engine:
     @property
     def stage(self) -> int:
         return self.plan.stage
+
+    @property
+    def rule(self) -> Rule:
+        """The update rule (:mod:`zerompi.rules`)."""
+        return self.settings.rule
 
     @property
     def precisions(self) -> dict[np.dtype, Precision]:
@@ -224,9 +230,11 @@ def _buffers(settings: Settings, layout: Layout, nodes: Nodes, plan: StagePlan,
              buddies: tuple[int, int] | None) -> list[PlannedBuffer]:  # fmt: skip
     """What the engine allocates, in order: the plan's buffers and the snapshots."""
     region = nodes.peers if plan.shared_memory and nodes.count > 1 else None
-    out = buffer_plan(layout, plan, settings.config.overlap.enabled, settings.precisions, region)
+    rule = settings.rule
+    out = buffer_plan(layout, plan, settings.config.overlap.enabled, settings.precisions, region,
+                      rule.states, rule.scratch_blocks)  # fmt: skip
     if buddies is not None:
-        out += snapshot_plan(layout, layout.rank, buddies[1])
+        out += snapshot_plan(layout, layout.rank, buddies[1], rule.states)
     return out
 
 
@@ -238,7 +246,7 @@ def buddies_of(comm: Comm, nodes: Nodes) -> tuple[int, int]:
 def build_engine(
     settings: Settings, comm: Comm, layout: Layout,
     params: Mapping[str, np.ndarray | Deferred] | None, handed_over: HandedOver,
-    configs: list[AdamConfig] | None = None,
+    configs: list[Any] | None = None,
 ) -> Engine:  # fmt: skip
     """Collective: the engine of ``settings`` on ``comm`` (this rank's ``layout``),
     with rank 0's initial values of ``params`` (``None``: a recovery, whose re-shard
@@ -263,7 +271,8 @@ def build_engine(
     planned = _buffers(settings, layout, nodes, plan, buddies)
     for buf in planned:
         stores.setdefault(buf.kind, {})[buf.master] = pool.allocate(buf, nodes.node)
-    parts = bucket_parts(plan, layout, stores)
+    rule = settings.rule
+    parts = bucket_parts(plan, layout, stores, rule.states)
     order = [name for name, _, _ in settings.specs]
     names = Names(layout, order)
     low_params = any(p.low_params for p in settings.precisions.values())
@@ -285,7 +294,7 @@ def build_engine(
     # One kernel call per run of buckets contiguous in memory, unless each bucket's
     # gather must start as soon as its part is updated.
     merge = plan.publish is Publish.NONE or (plan.publish is Publish.NODE and nodes.count == 1)
-    adam_runs = runs(parts, ("param", "grad", "exp_avg", "exp_avg_sq", "low"), merge)
+    update_runs = runs(parts, ("param", "grad", "states", "low"), merge)
     lows = [a for k in (Kind.PARAMS, Kind.PARAMS_LOW) for a in stores.get(k, {}).values()]
     member = dict(settings.member)
     timings = Timings()
@@ -296,9 +305,9 @@ def build_engine(
                        config.overlap.enabled),
         reducer=None,  # type: ignore[arg-type]  # (made below: it calls back the engine)
         gatherer=_publisher(plan, comm, nodes, layout, parts),
-        adam_runs=adam_runs,
-        low_bases=[low_base(run.arrays[4], lows) for run in adam_runs],
-        segments=adam_segments(layout, config.stage, adam_runs, member),
+        update_runs=update_runs,
+        low_bases=[low_base(run.arrays[-1], lows) for run in update_runs],
+        segments=adam_segments(layout, config.stage, update_runs, member),
         stats_runs=StatsRuns(runs(parts, ("stats",), merge=True), len(parts)),
         configs=list(configs if configs is not None else settings.configs), member=member,
         scaler=settings.scaler, timings=timings,
@@ -310,10 +319,10 @@ def build_engine(
 
         engine.snapshots = Snapshots(
             config.elastic.snapshot_every, comm, layout,
-            [shard for _, _, shard in state_views(plan, layout, stores)], *buddies,
+            [shard for _, _, shard in state_views(plan, layout, stores, rule.states)], *buddies,
             {k.label: stores[k][np.dtype(np.uint8)]
              for k in (Kind.SNAPSHOT_OWN, Kind.SNAPSHOT_HELD, Kind.SNAPSHOT_NEXT)},
-            Exchange(comm),
+            Exchange(comm), rule.states,
         )  # fmt: skip
     comm.describe = engine.describe
     comm.step = 1

@@ -308,11 +308,14 @@ class ZeroOptimizer:
 
     @communicates
     def gather_state(self) -> dict[str, dict[str, np.ndarray]]:
-        """Collective: the full ``exp_avg`` and ``exp_avg_sq`` of every parameter."""
+        """Collective: the full states of the update rule (Adam: ``exp_avg`` and
+        ``exp_avg_sq``; SGD: ``momentum_buffer``; Lion: ``exp_avg``) of every parameter,
+        by state name, then parameter name."""
         return state.gather_state(self.engine)
 
     def hyperparameters(self) -> dict[str, Any]:
-        """Adam's settings of every parameter group, as a checkpoint records them."""
+        """The update rule, its states and every parameter group's settings, as a
+        checkpoint records them."""
         return state.hyperparameters(self.engine)
 
     def param_group(self, name: str) -> int:
@@ -320,7 +323,8 @@ class ZeroOptimizer:
         return self.engine.member[name]
 
     def set_hyperparameters(self, group: int = 0, **settings: float) -> None:
-        """Change a parameter group's Adam settings (``lr``, ``beta1``, ``beta2``,
+        """Change a parameter group's settings (the rule's
+        :attr:`zerompi.rules.Rule.settings`: Adam's ``lr``, ``beta1``, ``beta2``,
         ``eps``, ``weight_decay``) from the next step on (a schedule). Call it alike
         on every rank: while the ranks' settings differ, every ``step()`` fails on
         every rank with :class:`zerompi.mpi.agreement.CollectiveError` before Adam runs."""

@@ -38,12 +38,18 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .adam import BLOCK
-from .buffers import Kind, Placement, PlannedBuffer, Stores
+from .buffers import AnyKind, Kind, Placement, PlannedBuffer, StateKind, Stores
 from .partition import Layout
 from .precision import Precision
+from .rules.adam import ADAM
 
-#: The kinds of state a checkpoint (and an elastic snapshot) holds, in file order.
-STATE_KINDS = (Kind.PARAMS, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+#: The default update rule's states (Adam's moments).
+ADAM_STATES: tuple[StateKind, ...] = ADAM.states
+
+def state_kinds(states: Sequence[StateKind]) -> tuple[AnyKind, ...]:
+    """The kinds of state a checkpoint (and an elastic snapshot) holds, in file order:
+    the parameters, then the update rule's ``states``."""
+    return (Kind.PARAMS, *states)
 
 #: Staging slots of stages 2-3 with ``overlap``: one bucket is reduced while the next
 #: one's gradients are being added.
@@ -193,7 +199,8 @@ def stage_plan(
 def buffer_plan(
     layout: Layout, plan: StagePlan, overlap: bool = True,
     precisions: Mapping[np.dtype, Precision] | None = None,
-    region: Sequence[int] | None = None,
+    region: Sequence[int] | None = None, states: Sequence[StateKind] = ADAM_STATES,
+    scratch_blocks: int = 1,
 ) -> list[PlannedBuffer]:  # fmt: skip
     """Every buffer an optimizer of ``plan`` allocates at construction on the rank of
     ``layout``, in allocation order, each placed as the plan says: the one
@@ -212,9 +219,10 @@ def buffer_plan(
     reduced gradient in ``M`` (the shard in 2-3, and in 0-1 when ``R`` differs: the
     shard in 1, all in 0); where ``R`` is narrower and the reduction goes through
     MPI, a receive buffer per staging bucket for every rank's part; one bucket of
-    parameter gathering in ``P`` per gather slot (3: two with ``overlap``); the two
-    Adam moments in ``M`` over what Adam runs on (everything in stage 0, the shard
-    otherwise) and the Adam kernel's scratch block.
+    parameter gathering in ``P`` per gather slot (3: two with ``overlap``); the update
+    rule's ``states`` (Adam's two moments) in ``M`` over what the rule runs on
+    (everything in stage 0, the shard otherwise) and its ``scratch_blocks`` scratch
+    blocks.
     """
     stage, shared = plan.stage, plan.shared_memory
     out: list[PlannedBuffer] = []
@@ -229,7 +237,7 @@ def buffer_plan(
             default=0,
         )
 
-    def add(kind: Kind, dtype: np.dtype, count: int, group: np.dtype) -> None:
+    def add(kind: AnyKind, dtype: np.dtype, count: int, group: np.dtype) -> None:
         placement = kind.shared if kind in plan.node_memory else Placement.PRIVATE
         out.append(PlannedBuffer(kind, dtype, count, group, placement))
 
@@ -263,9 +271,9 @@ def buffer_plan(
             add(Kind.GRAD_RECV, r_dt, parts * layout.max_part(dtype), dtype)
         if sharded and plan.access is not Access.CALLER_GATHERS:
             add(Kind.PARAM_BUCKET, p_dt, layout.max_bucket(dtype) * gather_slots(overlap), dtype)
-        for kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ):
+        for kind in states:
             add(kind, dtype, local, dtype)
-        add(Kind.SCRATCH, dtype, min(BLOCK, max(local, 1)), dtype)
+        add(Kind.SCRATCH, dtype, min(BLOCK, max(local, 1)) * scratch_blocks, dtype)
     return out
 
 
@@ -299,8 +307,8 @@ class Part(NamedTuple):
     stats: np.ndarray
     #: The parameters Adam updates (this rank's shard, or the bucket in stage 0).
     param: np.ndarray
-    exp_avg: np.ndarray
-    exp_avg_sq: np.ndarray
+    #: The update rule's states over ``param`` (Adam: ``exp_avg``, ``exp_avg_sq``).
+    states: tuple[np.ndarray, ...]
     scratch: np.ndarray
     #: The whole bucket of parameters (stages 0-2), what a gather fills; else None.
     full_param: np.ndarray | None
@@ -324,9 +332,11 @@ def shard_of(store: Mapping[np.dtype, np.ndarray], layout: Layout, index: int) -
     return store[bucket.dtype][lo : lo + bucket.counts[layout.rank]]
 
 
-def bucket_parts(plan: StagePlan, layout: Layout, stores: Stores) -> list[Part]:
+def bucket_parts(
+    plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind] = ADAM_STATES
+) -> list[Part]:
     """Every bucket's :class:`Part` over the optimizer's buffers (``stores`` by kind,
-    then master dtype, as :func:`buffer_plan` plans them)."""
+    then master dtype, as :func:`buffer_plan` plans them; ``states``: the rule's)."""
     parts = []
     params, grads = stores[Kind.PARAMS], stores[Kind.GRADS]
     master, params_low = stores.get(Kind.MASTER, {}), stores.get(Kind.PARAMS_LOW, {})
@@ -365,11 +375,10 @@ def bucket_parts(plan: StagePlan, layout: Layout, stores: Stores) -> list[Part]:
                 param = shard_of(params, layout, index)
                 if dtype in params_low:
                     low = shard_of(params_low, layout, index)
-        exp_avg = stores[Kind.EXP_AVG][dtype][moments]
-        exp_avg_sq = stores[Kind.EXP_AVG_SQ][dtype][moments]
+        held = tuple(stores[kind][dtype][moments] for kind in states)
         scratch = stores[Kind.SCRATCH][dtype]
         part = Part(
-            index, grad, stats, param, exp_avg, exp_avg_sq, scratch, full_param, full_grad, low
+            index, grad, stats, param, held, scratch, full_param, full_grad, low
         )  # type: ignore[arg-type]
         parts.append(part)
     return parts
@@ -392,12 +401,14 @@ def _continues(a: np.ndarray | None, b: np.ndarray | None) -> bool:
 
 
 def runs(parts: Sequence[Part], fields: tuple[str, ...], merge: bool) -> list[Run]:
-    """The parts' ``fields`` (e.g. ``("param", "grad", "exp_avg", "exp_avg_sq")``)
-    grouped into runs of buckets that continue one another in every field (only
-    with ``merge``; else one run per bucket), each field joined into one view."""
+    """The parts' ``fields`` (e.g. ``("param", "grad", "states", "low")``; ``states``
+    stands for each of the rule's states) grouped into runs of buckets that continue
+    one another in every field (only with ``merge``; else one run per bucket), each
+    field joined into one view."""
     out: list[Run] = []
     for part in parts:
-        arrays = tuple(getattr(part, f) for f in fields)
+        arrays = tuple(a for f in fields for a in (
+            getattr(part, f) if f == "states" else (getattr(part, f),)))  # fmt: skip
         if merge and out and all(
             _continues(a, b) for a, b in zip(out[-1].arrays, arrays, strict=True)
         ):
@@ -429,14 +440,14 @@ def master_is_full(plan: StagePlan, stores: Stores, dtype: np.dtype) -> bool:
 
 
 def state_views(
-    plan: StagePlan, layout: Layout, stores: Stores
+    plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind] = ADAM_STATES
 ) -> list[tuple[str, int, np.ndarray]]:
     """``(section, first global element, this rank's shard)`` of every bucket of every
-    kind of state (:data:`STATE_KINDS`), in one fixed order: writable views of the
+    kind of state (:func:`state_kinds`), in one fixed order: writable views of the
     buffers (what checkpoints write and read, and elastic snapshots send)."""
     flat = masters(stores)
     out = []
-    for kind in STATE_KINDS:
+    for kind in state_kinds(states):
         store = flat if kind is Kind.PARAMS else stores[kind]
         for index, bucket in enumerate(layout.buckets):
             lo, hi = bucket.local(layout.rank)

@@ -97,7 +97,7 @@ class Recovery:
             assert meta is not None
             targets = [shard for _, _, shard in state.state_shards(engine)]
             reshard(survivors, old_layout, old_size, layout, where, snaps.source_views,
-                    targets, ulfm.alltoallv_bytes)  # fmt: skip
+                    targets, ulfm.alltoallv_bytes, engine.rule.states)  # fmt: skip
             state.publish_state(engine)
             marks.append(clock())
             if engine.scaler is not None and engine.scaler.dynamic:

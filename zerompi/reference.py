@@ -1,11 +1,22 @@
-"""A plain, unsharded Adam/AdamW: the yardstick every sharded result is checked against.
+"""Plain, unsharded optimizers: the yardsticks every sharded result is checked against.
 
 Written from the papers, one parameter at a time, with no buffers, blocks or MPI:
-Kingma & Ba (2015), Algorithm 1 (bias-corrected moments), and Loshchilov & Hutter
-(2019), Algorithm 2 (decoupled weight decay; schedule multiplier = lr, as in torch's
-``AdamW``). Without decoupling, weight decay is the classic L2 term added to the
-gradient. Gradient accumulation follows the reference's ``GradientBuffer``: summed
-micro-batch gradients are divided by their count when there is more than one.
+
+* :class:`ReferenceAdam`: Kingma & Ba (2015), Algorithm 1 (bias-corrected moments),
+  and Loshchilov & Hutter (2019), Algorithm 2 (decoupled weight decay; schedule
+  multiplier = lr, as in torch's ``AdamW``). Without decoupling, weight decay is the
+  classic L2 term added to the gradient.
+* :class:`ReferenceSGD`: SGD with momentum as Sutskever et al. (2013) write it in the
+  form torch's ``SGD`` uses (the buffer starts as the first gradient; dampening;
+  Nesterov as ``g + momentum * b``); weight decay L2, or decoupled (``p -= lr * wd *
+  p``, Loshchilov & Hutter's SGDW).
+* :class:`ReferenceLion`: Chen et al. (2023), Algorithm 2: the sign of an
+  interpolation of the momentum and the gradient, decoupled weight decay.
+
+Each keeps its states in ``states`` (state name -> parameter name -> array), named as
+the sharded optimizer names them. Gradient accumulation follows the reference's
+``GradientBuffer``: summed micro-batch gradients are divided by their count when there
+is more than one.
 """
 
 from __future__ import annotations
@@ -61,3 +72,84 @@ class ReferenceAdam:
                 update = update + wd * p
             self.params[name] = p - lr * update
             self.exp_avg[name], self.exp_avg_sq[name] = m, v
+
+    @property
+    def states(self) -> dict[str, dict[str, np.ndarray]]:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+
+class ReferenceSGD:
+    """SGD with momentum over a dict of full arrays."""
+
+    def __init__(
+        self,
+        params: Mapping[str, np.ndarray],
+        *,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = False,
+    ) -> None:
+        self.params = {name: np.array(p, copy=True) for name, p in params.items()}
+        self.lr, self.momentum, self.dampening = float(lr), float(momentum), float(dampening)
+        self.nesterov, self.wd = nesterov, float(weight_decay)
+        self.decoupled = decoupled_weight_decay
+        self.momentum_buffer = {n: np.zeros_like(p) for n, p in self.params.items()}
+        self.t = 0
+
+    def step(self, grads: Mapping[str, np.ndarray]) -> None:
+        self.t += 1
+        mu, lr, wd = self.momentum, self.lr, self.wd
+        for name, p in self.params.items():
+            g = grads[name]
+            if wd and not self.decoupled:
+                g = g + wd * p
+            if mu:
+                if self.t == 1:
+                    b = g.copy()
+                elif self.dampening:
+                    b = mu * self.momentum_buffer[name] + (1.0 - self.dampening) * g
+                else:
+                    b = mu * self.momentum_buffer[name] + g
+                self.momentum_buffer[name] = b
+                g = g + mu * b if self.nesterov else b
+            if wd and self.decoupled:
+                p = p - (lr * wd) * p
+            self.params[name] = p - lr * g
+
+    @property
+    def states(self) -> dict[str, dict[str, np.ndarray]]:
+        return {"momentum_buffer": self.momentum_buffer}
+
+
+class ReferenceLion:
+    """Lion over a dict of full arrays."""
+
+    def __init__(
+        self,
+        params: Mapping[str, np.ndarray],
+        *,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+    ) -> None:
+        self.params = {name: np.array(p, copy=True) for name, p in params.items()}
+        self.lr, self.wd = float(lr), float(weight_decay)
+        self.b1, self.b2 = float(betas[0]), float(betas[1])
+        self.exp_avg = {n: np.zeros_like(p) for n, p in self.params.items()}
+
+    def step(self, grads: Mapping[str, np.ndarray]) -> None:
+        b1, b2, lr, wd = self.b1, self.b2, self.lr, self.wd
+        for name, p in self.params.items():
+            g, m = grads[name], self.exp_avg[name]
+            update = np.sign(b1 * m + (1.0 - b1) * g)
+            if wd:
+                update = update + wd * p
+            self.params[name] = p - lr * update
+            self.exp_avg[name] = b2 * m + (1.0 - b2) * g
+
+    @property
+    def states(self) -> dict[str, dict[str, np.ndarray]]:
+        return {"exp_avg": self.exp_avg}

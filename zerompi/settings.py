@@ -1,61 +1,40 @@
-"""Adam's settings per parameter group (torch's ``param_groups``), as data.
+"""The update rule's settings per parameter group (torch's ``param_groups``), as data.
 
 ``ZeroOptimizer(..., param_groups=[{"params": [names], "weight_decay": 0.0}, ...])``:
 group 0 has the constructor's settings and every parameter no group lists; group
-``i`` (the ``i``-th entry, 1-based) overrides any of ``lr``, ``betas``, ``eps``,
-``weight_decay`` for the parameters it lists (the usual no-decay group for biases
-and norms). The buckets do not care: Adam runs per *segment*, the elements of
+``i`` (the ``i``-th entry, 1-based) overrides any of the rule's settings
+(:attr:`zerompi.rules.Rule.settings`: Adam's ``lr``, ``betas``, ``eps``,
+``weight_decay``) for the parameters it lists (the usual no-decay group for biases
+and norms). The buckets do not care: the rule runs per *segment*, the elements of
 consecutive parameters of one group within a run of buckets (this rank's part of
-them), each with its group's :class:`zerompi.adam.AdamConfig`. With one group there
-is one segment per run, as without groups.
+them), each with its group's config (:class:`zerompi.adam.AdamConfig` for Adam).
+With one group there is one segment per run, as without groups.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .adam import AdamConfig
 from .partition import Layout
-
-#: What ``set_hyperparameters`` and a group may change.
-SETTINGS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+from .rules import Rule
 
 #: ``(start, stop, group)`` of a run's elements, in the run's own coordinates.
 Segment = tuple[int, int, int]
 
 
-def _overrides(entry: Mapping[str, Any], where: str) -> dict[str, float]:
-    """A group's settings as ``AdamConfig`` fields (``betas`` split in two)."""
-    out: dict[str, Any] = {}
-    for key, value in entry.items():
-        if key == "params":
-            continue
-        if key == "betas":
-            try:
-                out["beta1"], out["beta2"] = value
-            except (TypeError, ValueError):
-                raise ValueError(f"{where}: betas must be a pair, got {value!r}") from None
-        elif key in SETTINGS:
-            out[key] = value
-        else:
-            raise TypeError(f"{where}: unknown setting {key!r} (a group may set lr, betas, "
-                            "eps, weight_decay)")  # fmt: skip
-    return out
-
-
 def group_configs(
-    base: AdamConfig, groups: Sequence[Mapping[str, Any]] | None, names: Sequence[str]
-) -> tuple[list[AdamConfig], dict[str, int]]:
-    """Every group's settings (group 0: ``base``) and each parameter's group; a
-    parameter listed twice or not in the model is an error naming it."""
+    rule: Rule, base: Any, groups: Sequence[Mapping[str, Any]] | None, names: Sequence[str]
+) -> tuple[list[Any], dict[str, int]]:
+    """Every group's settings (group 0: ``base``, a config of ``rule``) and each
+    parameter's group; a parameter listed twice or not in the model is an error
+    naming it, as is a setting the rule does not have."""
     configs, member = [base], dict.fromkeys(names, 0)
     for i, entry in enumerate(groups or (), start=1):
         where = f"param_groups[{i - 1}]"
         if not isinstance(entry, Mapping) or "params" not in entry:
             raise TypeError(f"{where} must be a dict with a 'params' list of parameter names")
-        configs.append(dataclasses.replace(base, **_overrides(entry, where)))
+        configs.append(rule.group(base, entry, where))
         listed = entry["params"]
         for name in [listed] if isinstance(listed, str) else listed:
             if name not in member:
@@ -97,8 +76,8 @@ def adam_segments(
     return out
 
 
-def settings_token(configs: Sequence[AdamConfig]) -> float:
+def settings_token(rule: Rule, configs: Sequence[Any]) -> float:
     """Every group's settings as one number, which a float64 carries exactly, for
     the step's agreement (the same in every process: floats hash alike)."""
-    key = tuple((c.lr, c.beta1, c.beta2, c.eps, c.weight_decay) for c in configs)
+    key = tuple(rule.token(c) for c in configs)
     return float(hash(key) & 0x7FFFFFFF)

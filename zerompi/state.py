@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .adam import round_low
-from .buffers import Kind
-from .plan import STATE_KINDS, master_is_full, masters, shard_of, state_views
-from .settings import SETTINGS
+from .plan import master_is_full, masters, shard_of, state_kinds, state_views
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -38,10 +36,10 @@ def full_params(engine: Engine) -> dict[str, np.ndarray]:
 
 
 def gather_state(engine: Engine) -> dict[str, dict[str, np.ndarray]]:
-    """Collective: the full (unsharded) ``exp_avg`` and ``exp_avg_sq`` of every
-    parameter on every rank. Allocates full-size arrays: for checks and export,
-    not for the training loop."""
-    kinds = {"exp_avg": Kind.EXP_AVG, "exp_avg_sq": Kind.EXP_AVG_SQ}
+    """Collective: the full (unsharded) states of the update rule (Adam's
+    ``exp_avg`` and ``exp_avg_sq``) of every parameter on every rank. Allocates
+    full-size arrays: for checks and export, not for the training loop."""
+    kinds = {kind.label: kind for kind in engine.rule.states}
     if engine.stage == 0:
         engine.comm.barrier()
         return {
@@ -82,7 +80,8 @@ def param_entries(engine: Engine) -> list[tuple[str, tuple[int, ...], np.dtype, 
 
 def state_sections(engine: Engine) -> list[str]:
     """Section names (``"params.float32"``, ...) in file order."""
-    return [f"{kind.label}.{d.name}" for d in engine.layout.sizes for kind in STATE_KINDS]
+    kinds = state_kinds(engine.rule.states)
+    return [f"{kind.label}.{d.name}" for d in engine.layout.sizes for kind in kinds]
 
 
 def state_shards(engine: Engine) -> list[tuple[str, int, np.ndarray]]:
@@ -90,7 +89,7 @@ def state_shards(engine: Engine) -> list[tuple[str, int, np.ndarray]]:
     every kind of state, in one fixed order that every rank's collective I/O
     follows. The shards are writable views of the engine's own storage."""
     engine.snapshots.settle()  # a snapshot's messages read these shards
-    return state_views(engine.plan, engine.layout, engine.stores)
+    return state_views(engine.plan, engine.layout, engine.stores, engine.rule.states)
 
 
 def publish_state(engine: Engine) -> None:
@@ -105,7 +104,7 @@ def publish_state(engine: Engine) -> None:
         for index, (bucket, part) in enumerate(zip(buckets, engine.parts, strict=True)):
             whole = slice(bucket.start, bucket.stop)
             if stage == 0:  # everything everywhere, the master included
-                for store in (flat, engine.stores[Kind.EXP_AVG], engine.stores[Kind.EXP_AVG_SQ]):
+                for store in (flat, *(engine.stores[k] for k in engine.rule.states)):
                     comm.allgatherv_inplace(
                         store[bucket.dtype][whole], bucket.counts, bucket.displs, tag=index
                     )
@@ -130,14 +129,16 @@ def set_counters(engine: Engine, step: int, skipped_steps: int) -> None:
 
 
 def hyperparameters(engine: Engine) -> dict[str, Any]:
-    """Adam's settings, as a checkpoint records them."""
+    """The update rule, its states and the hyperparameters of every group, as a
+    checkpoint records them."""
+    rule, configs = engine.rule, engine.configs
 
     def of(c: Any) -> dict[str, Any]:
-        return {"lr": c.lr, "beta1": c.beta1, "beta2": c.beta2, "eps": c.eps,
-                "weight_decay": c.weight_decay}  # fmt: skip
+        return {k: getattr(c, k) for k in rule.settings}
 
-    configs = engine.configs
-    out = {**of(configs[0]), "decoupled": configs[0].decoupled}
+    fixed = {f.name: getattr(configs[0], f.name) for f in dataclasses.fields(configs[0])
+             if f.name not in rule.settings}  # fmt: skip
+    out = {"rule": rule.name, "states": rule.state_labels(), **of(configs[0]), **fixed}
     if len(configs) > 1:  # the groups after group 0, and their parameters
         names = [[n for n, g in engine.member.items() if g == i] for i in range(1, len(configs))]
         pairs = zip(configs[1:], names, strict=True)
@@ -146,12 +147,13 @@ def hyperparameters(engine: Engine) -> dict[str, Any]:
 
 
 def set_hyperparameters(engine: Engine, group: int = 0, **settings: float) -> None:
-    """Change a parameter group's Adam settings from the next step on (see
+    """Change a parameter group's settings from the next step on (see
     ``ZeroOptimizer.set_hyperparameters``), checked as at construction."""
-    unknown = sorted(set(settings) - set(SETTINGS))
+    allowed = engine.rule.settings
+    unknown = sorted(set(settings) - set(allowed))
     if unknown:
         raise TypeError(f"set_hyperparameters: unknown setting(s) {unknown}; "
-                        f"it takes {', '.join(SETTINGS)}")  # fmt: skip
+                        f"{engine.rule.name} takes {', '.join(allowed)}")  # fmt: skip
     if not 0 <= group < len(engine.configs):
         raise ValueError(f"set_hyperparameters: no parameter group {group!r} "
                          f"({len(engine.configs)} group(s))")  # fmt: skip

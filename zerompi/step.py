@@ -1,10 +1,10 @@
 """The step, one pipeline for every stage, over an :class:`zerompi.engine.Engine`::
 
-    reduce -> agree (statistics + fingerprint) -> skip or clip -> Adam -> gather
+    reduce -> agree (statistics + fingerprint) -> skip or clip -> update -> gather
 
 Each arrow is one call on an object the engine chose when it was built (the reducer,
-the agreement, the publisher): what differs between stages is data, and nothing
-here asks which stage runs.
+the agreement, the publisher, the update rule): what differs between stages and
+optimizers is data, and nothing here asks which stage or which optimizer runs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from .adam import adam_step, sr_key
+from .adam import sr_key
 from .engine import Engine
 from .mpi.agreement import CollectiveError, agree_step
 from .settings import settings_token
@@ -54,7 +54,7 @@ def step(engine: Engine) -> None:
         if coef < 1.0:  # torch's clip_grad_norm_: scale by min(1, coef)
             divisor /= coef
     engine.step_count += 1
-    adam(engine, divisor)
+    update(engine, divisor)
     with engine.timings.gather:
         engine.gatherer.finish()
     end_step(engine)
@@ -70,7 +70,8 @@ def reduce(engine: Engine) -> np.ndarray:
 
     reducer.reduce(visit)
     row[2], row[3] = engine.step_count, engine.micro_batches
-    row[4:7], row[7] = engine.comm.fingerprint.words(), settings_token(engine.configs)
+    row[4:7], row[7] = engine.comm.fingerprint.words(), settings_token(engine.rule,
+                                                                        engine.configs)
     return row
 
 
@@ -108,23 +109,26 @@ def skip(engine: Engine, nonfinite: int) -> None:
         )
 
 
-def adam(engine: Engine, divisor: float) -> None:
-    """Adam on this rank's part, run by run of buckets, in chunks; each bucket's
-    gather starts as soon as its part is updated and advances between the chunks."""
+def update(engine: Engine, divisor: float) -> None:
+    """The update rule on this rank's part, run by run of buckets, in chunks; each
+    bucket's gather starts as soon as its part is updated and advances between the
+    chunks."""
     adam_phase, gather_phase = engine.timings.adam, engine.timings.gather
     step_count, configs, gatherer = engine.step_count, engine.configs, engine.gatherer
+    rule_update = engine.rule.update
     chunk = gatherer.chunk
     key = sr_key(step_count) if engine.config.precision.rounding == "stochastic" else None
-    for run, base, segs in zip(engine.adam_runs, engine.low_bases, engine.segments, strict=True):
-        (param, grad, m, v, low), scratch = run.arrays, run.scratch
+    for run, base, segs in zip(engine.update_runs, engine.low_bases, engine.segments,
+                               strict=True):  # fmt: skip
+        (param, grad, *states, low), scratch = run.arrays, run.scratch
         for lo, hi, config in ((lo, min(lo + chunk, stop), configs[group])
                                for start, stop, group in segs
                                for lo in range(start, stop, chunk)):  # fmt: skip
             sr = None if key is None or low is None else (key, base + lo)
             with adam_phase:
-                adam_step(param[lo:hi], grad[lo:hi], m[lo:hi], v[lo:hi], step_count, config,
-                          scratch, divisor, low=None if low is None else low[lo:hi],
-                          stochastic=sr)  # fmt: skip
+                rule_update(param[lo:hi], grad[lo:hi], [s[lo:hi] for s in states], step_count,
+                            config, scratch, divisor, None if low is None else low[lo:hi],
+                            sr)  # fmt: skip
             with gather_phase:
                 gatherer.progress()
         with gather_phase:

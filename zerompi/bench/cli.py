@@ -127,6 +127,10 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         "--dtype", choices=("float32", "float64"), default="float32", help="dtype of everything"
     )
     p.add_argument(
+        "--optimizer", choices=("adam", "sgd", "lion"), default="adam",
+        help="the update rule the stages run (zerompi.rules); its floor counts its states",
+    )  # fmt: skip
+    p.add_argument(
         "--bucket-elems",
         type=positive,
         default=DEFAULT_BUCKET_ELEMS,

@@ -45,8 +45,6 @@ STREAM_REPS = 5
 #: Bytes one pass of ``np.add(a, b, out=a)`` moves per element of ``a``, in units of
 #: ``a``'s itemsize: read a, read b, write a.
 STREAM_ARRAYS = 3
-#: A fused design's Adam pass without its gradient: reads param, m, v; writes them.
-FUSED_STATE_ARRAYS = 6
 
 
 def stream_bandwidth(
@@ -114,8 +112,9 @@ def floor_bytes(row: Mapping[str, Any]) -> dict[str, int]:
     * ``stats``: the non-finite count and sum of squares read the reduced gradient,
       ``s``; 0 where the reduction's pass computes them (``stats_fused``: one node,
       the reduction through node memory, :mod:`zerompi.nodesum`).
-    * ``adam``: read param, grad, m, v and write param, m, v, ``7*s``, plus ``p``
-      when Adam also writes the 16-bit copy of the parameters (``p != s``).
+    * ``adam`` (the update): read param, grad, m, v and write param, m, v, ``7*s``
+      for Adam (``update_arrays``: ``3 + 2 * states``, 5 for SGD and Lion), plus ``p``
+      when the update also writes the 16-bit copy of the parameters (``p != s``).
     * ``gather``: stages 1-2 copy the other ranks' parts into this rank's full copy,
       ``(W-1) * (p + p)`` (read and write); 0 with ``node_shared`` (one copy per
       node, Adam writes it in place), and 0 at stage 0 (no gather) and stage 3
@@ -129,7 +128,7 @@ def floor_bytes(row: Mapping[str, Any]) -> dict[str, int]:
     return {
         "reduce": 2 * r + s if stage == 0 else w * r + s,
         "stats": 0 if row.get("stats_fused", False) else s,
-        "adam": ADAM_ARRAYS * s + (p if p != s else 0),
+        "adam": row.get("update_arrays", ADAM_ARRAYS) * s + (p if p != s else 0),
         "gather": (w - 1) * 2 * p if gathers else 0,
     }
 
@@ -142,7 +141,9 @@ def fused_floor_bytes(row: Mapping[str, Any]) -> int:
     step can run as is: the statistics (the skip on a non-finite gradient, clipping)
     need the whole reduced gradient before the first update."""
     w, s, r, p = _sizes(row)
-    return w * r + FUSED_STATE_ARRAYS * s + (p if p != s else 0)
+    # the update without its gradient: read param and the states, write them (Adam: 6)
+    state_arrays = row.get("update_arrays", ADAM_ARRAYS) - 1
+    return w * r + state_arrays * s + (p if p != s else 0)
 
 
 def _ms(nbytes: float, gbps: float | None) -> float | None:

@@ -34,6 +34,12 @@ T = TypeVar("T")
 
 #: Adam moves 7 arrays' worth of bytes per element: reads p, m, v, g; writes p, m, v.
 ADAM_ARRAYS = 7
+
+
+def update_arrays(states: int) -> int:
+    """Arrays an update rule with ``states`` per-element states reads or writes per
+    element: param, grad and the states read, param and the states written."""
+    return 3 + 2 * states
 #: Per stage: (reduction passes, gather passes) over the P parameters in one step.
 PASSES = {0: (2, 0), 1: (1, 1), 2: (1, 1), 3: (1, 2)}
 
@@ -106,6 +112,7 @@ def bench_stage(
         deferred_model(sizes, args.seed, dtype),
         comm=comm.mpi,
         stage=stage,
+        optimizer=getattr(args, "optimizer", "adam"),
         lr=LR,
         bucket_elems=args.bucket_elems,
         shared_memory=not args.no_shared_memory,
@@ -147,6 +154,8 @@ def bench_stage(
         )
         sent["allgather"].append(traffic.get("allgather", {}).get("sent", 0))
     local = params if stage == 0 else sum(opt.layout.shard_sizes.values())
+    rule = opt.engine.rule
+    arrays = update_arrays(len(rule.states))
     buckets = len(opt.layout.buckets)
     opt.close()
     del opt
@@ -164,10 +173,14 @@ def bench_stage(
             nbytes * (1 if stage == 0 else passes[0]), phase_ms["reduce_scatter"]
         ),
         "allgather_algbw": gbps(nbytes * passes[1], phase_ms["allgather"]) if passes[1] else None,
-        "adam": gbps(ADAM_ARRAYS * dtype.itemsize * busiest, phase_ms["adam"]),
+        "adam": gbps(arrays * dtype.itemsize * busiest, phase_ms["adam"]),
     }
     return {
         "stage": stage,
+        "optimizer": rule.name,
+        # arrays the update reads or writes per element: param, grad, each state read,
+        # param and each state written (Adam: 7)
+        "update_arrays": arrays,
         "params": params,
         "dtype": args.dtype,  # the master copy's
         "param_dtype": precision[0] or args.dtype,

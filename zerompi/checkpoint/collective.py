@@ -39,7 +39,9 @@ from .format import (
     layout_entries,
     read_header,
     require_little_endian,
+    rule_name,
     sections_by_name,
+    state_names,
 )
 
 if TYPE_CHECKING:
@@ -104,6 +106,7 @@ def _save(engine: Engine, path: str | os.PathLike) -> None:
             engine.stage,
             comm.size,
             max(b.size for b in engine.layout.buckets),
+            engine.rule.state_labels(),
         )
     offsets = {s["name"]: s["offset"] for s in header["sections"]}
     fh = None
@@ -177,6 +180,13 @@ def check_compatible(engine: Engine, header: dict[str, Any], path: str) -> None:
         raise CheckpointError(
             f"{path} holds a different model: {len(theirs)} parameters in the checkpoint, "
             f"{len(mine)} in this optimizer"
+        )
+    saved, mine_rule = rule_name(header), engine.rule.name
+    if saved != mine_rule:
+        raise CheckpointError(
+            f"{path} was saved with optimizer={saved!r} (states "
+            f"{', '.join(state_names(header))}); this optimizer is optimizer={mine_rule!r} "
+            f"(states {', '.join(engine.rule.state_labels())}): its state cannot be loaded"
         )
     sizes = _sizes(engine)
     sections = sections_by_name(header)

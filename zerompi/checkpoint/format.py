@@ -10,9 +10,10 @@ File format (all integers little-endian)::
                zeros     up to the next multiple of 64
                sections  each 64-byte aligned, zero padding between them
 
-For every dtype of the model (in layout order) there are three sections,
-``params.<dtype>``, ``exp_avg.<dtype>`` and ``exp_avg_sq.<dtype>``, each the full
-flat vector of that dtype (``sizes[dtype]`` elements, little-endian) in the
+For every dtype of the model (in layout order) there is a section ``params.<dtype>``
+and one per state of the update rule (Adam: ``exp_avg.<dtype>`` and
+``exp_avg_sq.<dtype>``; SGD: ``momentum_buffer.<dtype>``; Lion: ``exp_avg.<dtype>``),
+each the full flat vector of that dtype (``sizes[dtype]`` elements, little-endian) in the
 *global* flat order: parameters of that dtype packed in the mapping's order. The
 order does not depend on the world size, the stage or the bucketing, so a
 checkpoint saved by any world loads into any other.
@@ -23,8 +24,9 @@ The JSON header::
      "params": [{"name", "shape", "dtype", "offset"}, ...],   # mapping order
      "sizes": {dtype: n},
      "sections": [{"name", "dtype", "offset", "count", "checksum": [s1, s2]}, ...],
-     "optimizer": {"lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "step",
-                   "skipped_steps"},
+     "optimizer": {"rule", "states", <the rule's hyperparameters: Adam's "lr",
+                   "beta1", "beta2", "eps", "weight_decay", "decoupled">, "step",
+                   "skipped_steps"},          # no "rule"/"states" (older files): Adam
      "stage": ..., "world_size": ..., "max_bucket_elems": ...}
 
 Section checksum: the section viewed as words ``w_i`` (``uint32`` for float32,
@@ -64,7 +66,18 @@ READ_BLOCK = 1 << 22
 
 _WORD = {"float32": np.dtype("<u4"), "float64": np.dtype("<u8")}
 _DTYPE = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
+#: The sections of a file of the Adam rule (and of every file written before rules).
 KINDS = ("params", "exp_avg", "exp_avg_sq")
+
+
+def state_names(header: dict[str, Any]) -> list[str]:
+    """The update rule's states a checkpoint holds (Adam's where it does not say)."""
+    return list(header["optimizer"].get("states", KINDS[1:]))
+
+
+def rule_name(header: dict[str, Any]) -> str:
+    """The update rule a checkpoint was saved with (``"adam"`` where it does not say)."""
+    return str(header["optimizer"].get("rule", "adam"))
 
 
 class CheckpointError(ValueError):
@@ -128,13 +141,15 @@ def build_header(
     stage: int,
     world_size: int,
     max_bucket_elems: int,
+    states: Sequence[str] = KINDS[1:],
 ) -> tuple[bytes, dict[str, Any]]:
     """The file's first bytes (prefix, JSON, padding) and the header dict, with every
-    section's absolute offset. ``checksums`` maps section name -> (s1, s2)."""
+    section's absolute offset. ``checksums`` maps section name -> (s1, s2);
+    ``states``: the update rule's (Adam's by default)."""
     sections = [
         {"name": f"{kind}.{dtype}", "dtype": dtype, "count": int(n)}
         for dtype, n in sizes.items()
-        for kind in KINDS
+        for kind in ("params", *states)
     ]
     header = {
         "format": FORMAT,
@@ -260,15 +275,16 @@ def sections_by_name(header: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def read(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     """Everything in a checkpoint, as numpy arrays (no MPI): ``{"params": {name:
-    array}, "exp_avg": {...}, "exp_avg_sq": {...}, "optimizer": {...}, "world_size",
-    "stage", "header"}``. Verifies every checksum unless ``verify`` is false; raises
-    :class:`CheckpointError` (a ``ValueError``) for a truncated, corrupted or foreign
-    file."""
+    array}, <each state of the rule>: {...} (Adam: "exp_avg", "exp_avg_sq"),
+    "optimizer": {...}, "world_size", "stage", "header"}``. Verifies every checksum
+    unless ``verify`` is false; raises :class:`CheckpointError` (a ``ValueError``)
+    for a truncated, corrupted or foreign file."""
     path = os.fspath(path)
     header = read_header(path)
     sections = sections_by_name(header)
-    out: dict[str, Any] = {kind: {} for kind in KINDS}
-    for kind in KINDS:
+    kinds = ("params", *state_names(header))
+    out: dict[str, Any] = {kind: {} for kind in kinds}
+    for kind in kinds:
         for dtype in header["sizes"]:
             section = sections.get(f"{kind}.{dtype}")
             if section is None:
@@ -280,8 +296,7 @@ def read(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
                 if p["dtype"] == dtype:
                     n = int(np.prod(p["shape"], dtype=np.int64))
                     out[kind][p["name"]] = flat[p["offset"] : p["offset"] + n].reshape(p["shape"])
-    out["params"] = {p["name"]: out["params"][p["name"]] for p in header["params"]}
-    for kind in ("exp_avg", "exp_avg_sq"):
+    for kind in kinds:
         out[kind] = {p["name"]: out[kind][p["name"]] for p in header["params"]}
     out["optimizer"] = header["optimizer"]
     out["world_size"] = header["world_size"]
@@ -328,9 +343,10 @@ def verify(path: str | os.PathLike) -> list[str]:
 
 def export_arrays(state: dict[str, Any]) -> dict[str, np.ndarray]:
     """The arrays of a :func:`read` result under flat names: the parameters by their
-    names, the moments as ``exp_avg/<name>`` and ``exp_avg_sq/<name>``."""
+    names, the rule's states as ``<state>/<name>`` (Adam: ``exp_avg/<name>`` and
+    ``exp_avg_sq/<name>``)."""
     arrays = dict(state["params"])
-    for kind in ("exp_avg", "exp_avg_sq"):
+    for kind in state_names(state["header"]):
         arrays.update({f"{kind}/{n}": a for n, a in state[kind].items()})
     return arrays
 

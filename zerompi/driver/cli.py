@@ -113,7 +113,18 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         help="split every global batch into this many micro-batches "
         "(gradient accumulation); each must get at least one row",
     )
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="Adam learning rate")
+    p.add_argument(
+        "--optimizer", choices=("adam", "sgd", "lion"), default="adam",
+        help="the update rule (zerompi.rules): Adam/AdamW, SGD with momentum, Lion",
+    )  # fmt: skip
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate")
+    p.add_argument(
+        "--momentum", type=non_negative_float, default=0.0,
+        help="SGD's momentum (--optimizer sgd only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--nesterov", action="store_true", help="SGD's Nesterov momentum (--optimizer sgd only)"
+    )
     p.add_argument(
         "--weight-decay",
         type=non_negative_float,
@@ -121,7 +132,8 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         help="weight decay: an L2 term added to the gradient, or see --adamw",
     )
     p.add_argument(
-        "--adamw", action="store_true", help="decoupled weight decay (AdamW) instead of L2"
+        "--adamw", action="store_true",
+        help="decoupled weight decay (AdamW, SGDW) instead of L2 (Lion's always is)"
     )
     p.add_argument(
         "--dtype",
@@ -240,6 +252,11 @@ def parse_args(argv: Sequence[str] | None, rank: int = 0) -> argparse.Namespace:
             f"shard_range gives micro-batches of {rows} rows; every micro-batch needs at "
             "least one row (use a larger --batch or fewer --micro-batches)"
         )
+    if args.optimizer != "sgd" and (args.momentum or args.nesterov):
+        parser.error(f"--momentum and --nesterov are SGD's (--optimizer sgd), not "
+                     f"{args.optimizer}'s")  # fmt: skip
+    if args.nesterov and not args.momentum:
+        parser.error("--nesterov needs --momentum > 0")
     if args.save_every and not args.save:
         parser.error("--save-every needs --save PREFIX")
     if args.elastic and args.shared_memory:

@@ -61,6 +61,17 @@ def comm_theory(args: argparse.Namespace, params: int, world: int, layers: bool 
 # -- one micro-batch ---------------------------------------------------------------
 
 
+def rule_keywords(args: argparse.Namespace) -> dict[str, Any]:
+    """The update rule's settings from the command line (``--optimizer`` and the
+    settings that rule reads; another rule's are left at their defaults)."""
+    out: dict[str, Any] = {"optimizer": args.optimizer, "lr": args.lr,
+                           "weight_decay": args.weight_decay,
+                           "decoupled_weight_decay": args.adamw}  # fmt: skip
+    if args.optimizer == "sgd":
+        out.update(momentum=args.momentum, nesterov=args.nesterov)
+    return out
+
+
 def micro_batch_rows(batch: int, micro_batches: int) -> list[int]:
     """Rows of each micro-batch of a global batch (split with ``shard_range``)."""
     ranges = (shard_range(batch, micro_batches, m) for m in range(micro_batches))
@@ -144,9 +155,7 @@ def make_optimizer(args: argparse.Namespace, comm: Comm) -> ZeroOptimizer:
         mlp.deferred_params(sizes, args.seed, dtype),
         comm=comm.mpi,
         stage=args.stage,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        decoupled_weight_decay=args.adamw,
+        **rule_keywords(args),
         bucket_elems=args.bucket_elems,
         max_norm=args.max_norm,
         nonfinite=args.nonfinite,
@@ -330,6 +339,7 @@ def train(args: argparse.Namespace, comm: Comm) -> tuple[ZeroOptimizer, dict[str
         "lr": args.lr,
         "weight_decay": args.weight_decay,
         "adamw": args.adamw,
+        "optimizer": args.optimizer,
         "seed": args.seed,
         "bucket_elems": args.bucket_elems,
         "loss_first": float(losses[0]),

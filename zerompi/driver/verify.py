@@ -28,7 +28,7 @@ import numpy as np
 from .. import mlp
 from ..partition import shard_range
 from ..precision import loss_scale_of, resolve_dtype
-from ..reference import ReferenceAdam, average
+from ..reference import ReferenceAdam, ReferenceLion, ReferenceSGD, average
 from ..runtime import clock
 from .training import loss_scale_arg, micro_batch_rows
 
@@ -41,6 +41,20 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 #: Largest accepted relative difference between a step's gradient norm and the
 #: reference's (the largest over the steps run).
 NORM_TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
+
+
+def reference_optimizer(
+    args: argparse.Namespace, params: dict[str, np.ndarray]
+) -> ReferenceAdam | ReferenceSGD | ReferenceLion:
+    """The unsharded reference of ``--optimizer`` with the run's settings."""
+    if args.optimizer == "sgd":
+        return ReferenceSGD(params, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
+                            weight_decay=args.weight_decay,
+                            decoupled_weight_decay=args.adamw)  # fmt: skip
+    if args.optimizer == "lion":
+        return ReferenceLion(params, lr=args.lr, weight_decay=args.weight_decay)
+    return ReferenceAdam(params, lr=args.lr, weight_decay=args.weight_decay,
+                         decoupled_weight_decay=args.adamw)  # fmt: skip
 
 
 def _rounded(
@@ -65,10 +79,7 @@ def mixed_reference(
     one rank the same operations in the same order as the run: bit for bit."""
     dtype = np.dtype(args.dtype)
     sizes = mlp.layer_sizes(args.in_dim, args.hidden, args.depth, args.classes)
-    ref = ReferenceAdam(
-        mlp.init_params(sizes, args.seed, dtype),
-        lr=args.lr, weight_decay=args.weight_decay, decoupled_weight_decay=args.adamw,
-    )  # fmt: skip
+    ref = reference_optimizer(args, mlp.init_params(sizes, args.seed, dtype))
     reduce = resolve_dtype(args.reduce_dtype, "reduce_dtype") if args.reduce_dtype else dtype
     scaler = loss_scale_of(loss_scale_arg(args.loss_scale), reduce if args.reduce_dtype else None)
     rows = micro_batch_rows(args.batch, args.micro_batches)
@@ -114,12 +125,7 @@ def reference_params(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], n
     global L2 gradient norm before clipping (computed in float64)."""
     dtype = np.dtype(args.dtype)
     sizes = mlp.layer_sizes(args.in_dim, args.hidden, args.depth, args.classes)
-    ref = ReferenceAdam(
-        mlp.init_params(sizes, args.seed, dtype),
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        decoupled_weight_decay=args.adamw,
-    )
+    ref = reference_optimizer(args, mlp.init_params(sizes, args.seed, dtype))
     rows = micro_batch_rows(args.batch, args.micro_batches)
     norms = np.zeros(args.steps)
     for step in range(args.steps):

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .. import mlp
-from ..buffers import CATEGORIES, Kind, Placement, node_share
+from ..buffers import CATEGORIES, Kind, Placement, StateKind, node_share
 from ..elastic import buddy_ranks, snapshot_bytes, snapshot_plan
 from ..partition import (
     DEFAULT_BUCKET_ELEMS,
@@ -50,6 +50,7 @@ from ..partition import (
 )
 from ..plan import buffer_plan, full_grads_plan, stage_plan
 from ..precision import Precision, precisions, resolve_dtype
+from ..rules import rule_of
 from .traffic import step_traffic
 
 #: (name, shape, dtype) of one parameter, in the model's order.
@@ -57,10 +58,8 @@ Spec = tuple[str, tuple[int, ...], np.dtype]
 
 #: Kinds of planned buffer that are the ZeRO paper's model states; every other
 #: buffer (staging, gather, scratch) is counted in ``buffers_bytes``.
-MODEL_STATES = (
-    Kind.PARAMS, Kind.PARAMS_LOW, Kind.MASTER, Kind.GRADS, Kind.GRADS_REDUCED, Kind.EXP_AVG,
-    Kind.EXP_AVG_SQ,
-)  # fmt: skip
+#: (The update rule's states, :class:`zerompi.buffers.StateKind`, are model states too.)
+MODEL_STATES = (Kind.PARAMS, Kind.PARAMS_LOW, Kind.MASTER, Kind.GRADS, Kind.GRADS_REDUCED)
 
 #: Per stage, (unsharded, sharded) arrays of the four model states: the paper's
 #: formula is ``itemsize * P * (unsharded + sharded / W)``.
@@ -161,6 +160,7 @@ def estimate(
     ranks_per_node: int | None = None,
     elastic: bool = False,
     snapshot_every: int = 10,
+    optimizer: str = "adam",
 ) -> dict[str, Any]:
     """The memory of ``ZeroOptimizer`` on ``rank`` of ``world_size``, without MPI.
 
@@ -178,17 +178,19 @@ def estimate(
     in-memory snapshots of ``elastic=True`` (category ``snapshots``: this rank's shard
     state once, its source's twice; no node shared memory) and their traffic: the
     ``snapshot`` entry of ``traffic``, a snapshot's bytes per ``snapshot_every`` steps
-    (what the driver's ``comm_bytes`` reports: its mean per step).
+    (what the driver's ``comm_bytes`` reports: its mean per step). ``optimizer``:
+    the update rule (:mod:`zerompi.rules`), whose states and scratch are counted.
 
     Returns a dict:
 
     * ``usage``: bytes per category, equal to ``opt.memory_usage()``;
     * ``buffers``: bytes per named buffer, equal to ``opt.memory_buffers()``;
-    * ``exact_bytes``: bytes of the four model-state arrays (parameters,
-      gradients, ``exp_avg``, ``exp_avg_sq``) as laid out;
+    * ``exact_bytes``: bytes of the model-state arrays (parameters, gradients and
+      the rule's states: Adam's ``exp_avg``, ``exp_avg_sq``) as laid out;
     * ``buffers_bytes``: everything else (staging / gather buckets, scratch);
     * ``total_bytes``: ``exact_bytes + buffers_bytes``, the sum of ``usage``;
-    * ``paper_bytes``: the ZeRO paper's formula for the same model states (float);
+    * ``paper_bytes``: the ZeRO paper's formula for the same model states with Adam
+      (float);
     * ``traffic``: bytes this rank moves in one step, per collective, and of them
       what crosses a node boundary (:func:`zerompi.memory.traffic.step_traffic`:
       ``opt.comm.pop_traffic()`` after one step, to the byte);
@@ -206,15 +208,18 @@ def estimate(
     count, local, peers = node_of(world_size, rank, per_node)
     low = any(p.low_grads for p in precs.values())
     stage_kinds = stage_plan(stage, shared, count == 1, low)
-    plan = buffer_plan(layout, stage_kinds, overlap, precs, peers if count > 1 else None)
+    rule = rule_of(optimizer)
+    plan = buffer_plan(layout, stage_kinds, overlap, precs, peers if count > 1 else None,
+                       rule.states, rule.scratch_blocks)  # fmt: skip
     if full_grads and stage == 2:
         plan += full_grads_plan(layout, precs, shared)
     traffic = step_traffic(layout, stage, precs, shared, per_node)
     if elastic:  # the snapshots (zerompi.elastic): this rank's and its source's (x2)
         members = [range(n * per_node, (n + 1) * per_node) for n in range(count)]
         buddy, source = buddy_ranks(world_size, rank, members if count > 1 else None)
-        plan += snapshot_plan(layout, rank, source)
-        sent, received = snapshot_bytes(layout, rank), snapshot_bytes(layout, source)
+        plan += snapshot_plan(layout, rank, source, rule.states)
+        sent = snapshot_bytes(layout, rank, rule.states)
+        received = snapshot_bytes(layout, source, rule.states)
         far = (buddy // per_node != rank // per_node, source // per_node != rank // per_node)
         traffic["snapshot"] = {
             "sent": round(sent / snapshot_every), "received": round(received / snapshot_every),
@@ -230,7 +235,7 @@ def estimate(
             nbytes = node_share(nbytes, per_node, local)
         usage[buf.category] += nbytes
         buffers[buf.name] = nbytes
-        exact += nbytes if buf.kind in MODEL_STATES else 0
+        exact += nbytes if buf.kind in MODEL_STATES or isinstance(buf.kind, StateKind) else 0
     total = sum(usage.values())
     return {
         "world_size": world_size,

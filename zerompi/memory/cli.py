@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "shard state once, its buddy's twice), and no node shared memory")
     p.add_argument("--snapshot-every", type=_positive, default=10, metavar="K",
                    help="with --elastic: a snapshot every K steps (its traffic per step)")
+    p.add_argument("--optimizer", choices=("adam", "sgd", "lion"), default="adam",
+                   help="the update rule, whose states are counted (zerompi.rules)")
     p.add_argument("--per-rank", action="store_true", help="also give the figures of every rank")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
@@ -282,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ranks_per_node": per_node,
         "elastic": args.elastic,
         "snapshot_every": args.snapshot_every,
+        "optimizer": args.optimizer,
     }
     result = estimate_max(specs, world, args.stage, **options)
     node = estimate_node(specs, world, 0, args.stage, **options)

@@ -63,9 +63,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         hand_over: GradientHooks | None = None,
     ) -> None:
         def settings(i: int) -> dict[str, Any]:
-            c = zero.engine.configs[i]
-            return {"lr": c.lr, "betas": (c.beta1, c.beta2), "eps": c.eps,
-                    "weight_decay": c.weight_decay}  # fmt: skip
+            return zero.engine.rule.as_group(zero.engine.configs[i])
 
         self._building = True
         super().__init__([{"params": list(ps), **settings(i)} for i, ps in groups], settings(0))
@@ -97,12 +95,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def _settings(self, group: dict[str, Any], c: Any) -> dict[str, float]:
-        """The torch group's settings that differ from its zerompi group's ``c``."""
-        b1, b2 = group["betas"]
-        wanted = {
-            "lr": float(group["lr"]), "beta1": float(b1), "beta2": float(b2),
-            "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
-        }  # fmt: skip
+        """The torch group's settings that differ from its zerompi group's ``c`` (those
+        of the update rule, :attr:`zerompi.rules.Rule.settings`)."""
+        wanted = {}
+        for key in self.zero.engine.rule.settings:
+            if key in ("beta1", "beta2"):
+                wanted[key] = float(group["betas"][key == "beta2"])
+            else:
+                wanted[key] = float(group[key])
         return {k: v for k, v in wanted.items() if getattr(c, k) != v}
 
     @torch.no_grad()

@@ -1,0 +1,121 @@
+"""``zerompi.torch.shard(model, optimizer="sgd" | "lion", ...)`` against single-process
+torch on the whole global batch (:mod:`zerompi.torch.parity`'s model and data, two
+``backward()`` per step, a ``StepLR``): torch's own ``SGD`` (momentum, Nesterov, L2),
+and Lion written here from Chen et al. 2023 as a ``torch.optim.Optimizer``; every
+stage, node copy or not, with two parameter groups. Relative parameter difference
+≤ 1e-5, the scheduler's learning rates in effect."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from helpers import assert_all
+from mpi4py import MPI
+
+torch = pytest.importorskip("torch")
+from zerompi.torch import shard  # noqa: E402
+from zerompi.torch.parity import ROWS, batch, differences, loss_of, make_model  # noqa: E402
+
+torch.set_num_threads(1)
+
+MODES = {"0": (0, None), "1": (1, None), "2": (2, None), "3": (3, None), "3s": (3, False)}
+
+
+class TorchLion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, Algorithm 2), per parameter: ``c = b1 m + (1 - b1) g``,
+    ``p -= lr (sign(c) + wd p)``, ``m = b2 m + (1 - b2) g``."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float],
+                 weight_decay: float = 0.0) -> None:  # fmt: skip
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                update = torch.sign(b1 * m + (1 - b1) * g) + group["weight_decay"] * p
+                p -= group["lr"] * update
+                m.mul_(b2).add_(g, alpha=1 - b2)
+
+
+#: name -> (shard() keywords, the reference optimizer from its params, the second
+#: group's settings)
+RULES: dict[str, tuple[dict[str, Any], Callable[[Any], Any], dict[str, Any]]] = {
+    "sgd-nesterov-l2": (
+        {"optimizer": "sgd", "lr": 5e-2, "momentum": 0.9, "nesterov": True,
+         "weight_decay": 0.05},
+        lambda ps: torch.optim.SGD(ps, lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.05),
+        {"lr": 2e-2, "weight_decay": 0.0}),
+    "sgd-momentum": (
+        {"optimizer": "sgd", "lr": 5e-2, "momentum": 0.8},
+        lambda ps: torch.optim.SGD(ps, lr=5e-2, momentum=0.8),
+        {"momentum": 0.5}),
+    "lion": (
+        {"optimizer": "lion", "lr": 3e-3, "betas": (0.9, 0.99), "weight_decay": 0.1},
+        lambda ps: TorchLion(ps, lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1),
+        {"lr": 1e-3, "betas": (0.8, 0.95)}),
+}  # fmt: skip
+
+
+def groups_of(model: torch.nn.Module, second: dict[str, Any]) -> list[dict[str, Any]]:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.dim() >= 2]},
+            {"params": [p for p in trainable if p.dim() < 2], **second}]  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", MODES)
+def test_rule_through_shard_matches_torch(comm: MPI.Intracomm, mode: str, rule: str) -> None:
+    stage, shared = MODES[mode]
+    keywords, make_ref, second = RULES[rule]
+    rank, world = comm.rank, comm.size
+    model = make_model(rank)
+    model, opt = shard(model, stage=stage, comm=comm, bucket_elems=40, shared_memory=shared,
+                       param_groups=groups_of(model, second), **keywords)  # fmt: skip
+    ref = make_model(0)
+    ref_opt = make_ref(groups_of(ref, second))
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref_opt)]
+    mine = slice(rank * ROWS, (rank + 1) * ROWS)
+    for step in range(5):
+        for micro in range(2):
+            idx, target = batch(step, micro, world)
+            loss_of(model, idx[mine], target[mine]).backward()
+            loss_of(ref, idx, target).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        for sched in scheds:
+            sched.step()
+    with opt.full_parameters():
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    problems = [f"{name} differs by {a:.3g} (relative {r:.3g})"
+                for name, (a, r) in differences(got, dict(ref.named_parameters())).items()
+                if not r <= 1e-5]  # fmt: skip
+    lrs = [opt.zero.engine.configs[i].lr for i in opt.zero_groups]
+    if lrs != scheds[1].get_last_lr():
+        problems.append(f"learning rates {lrs} != {scheds[1].get_last_lr()}")
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    if opt.zero.hyperparameters()["rule"] != keywords["optimizer"] or not all(
+            "weight_decay" in g for g in groups):  # fmt: skip
+        problems.append(f"param_groups {groups}")
+    opt.close()
+    assert_all(not problems, "\n".join(problems[:6]))
+
+
+@pytest.mark.parametrize("rule", ["sgd", "lion"])
+def test_shard_with_another_rule_starts_without_weight_decay(
+    comm: MPI.Intracomm, rule: str
+) -> None:
+    """Without a config, ``optimizer="sgd"`` takes torch ``SGD``'s defaults (no weight
+    decay, L2 when set), Lion no weight decay: not AdamW's 0.01 that ``shard()``
+    starts Adam from."""
+    _, opt = shard(make_model(0), comm=comm, optimizer=rule, lr=0.1)
+    hyper = opt.zero.hyperparameters()
+    opt.close()
+    assert_all(hyper["weight_decay"] == 0.0 and not hyper.get("decoupled", False),
+               str(hyper))  # fmt: skip

@@ -1,0 +1,119 @@
+"""The interface of an update rule (:class:`Rule`) and what rules share."""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..buffers import StateKind
+
+
+class Rule(ABC):
+    """An optimizer's update of a flat shard, element by element."""
+
+    #: The name ``ZeroConfig(optimizer=...)`` selects it by.
+    name: ClassVar[str]
+    #: Its per-element states, in checkpoint order.
+    states: ClassVar[tuple[StateKind, ...]]
+    #: The hyperparameters of one parameter group (a frozen dataclass that validates
+    #: itself on construction).
+    config_type: ClassVar[type]
+    #: The config's fields a parameter group and ``set_hyperparameters`` may change
+    #: (a group may also write ``betas`` for ``beta1``/``beta2``).
+    settings: ClassVar[tuple[str, ...]]
+    #: ``ZeroConfig`` fields the rule reads besides ``lr`` and ``weight_decay``;
+    #: setting any other of :data:`RULE_FIELDS` away from its default is an error.
+    reads: ClassVar[tuple[str, ...]]
+    #: Scratch blocks the update needs (each ``len(scratch) // scratch_blocks``).
+    scratch_blocks: ClassVar[int] = 1
+
+    @abstractmethod
+    def base(self, config: Any) -> Any:
+        """Group 0's hyperparameters from a :class:`zerompi.config.ZeroConfig`."""
+
+    @abstractmethod
+    def update(
+        self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
+        config: Any, scratch: np.ndarray, divisor: float, low: np.ndarray | None,
+        stochastic: tuple[int, int] | None,
+    ) -> None:  # fmt: skip
+        """One step on 1-D views of equal length, in place. ``grad`` holds the
+        gradient summed over ranks and micro-batches and is consumed; dividing it by
+        ``divisor`` gives the averaged (clipped, unscaled) gradient. ``step`` is the
+        1-based step count. ``low``, where given, receives the updated parameters
+        rounded to its narrower dtype (nearest even, or ``stochastic=(key, base)``:
+        :func:`zerompi.adam.stochastic_round`)."""
+
+    def group(self, base: Any, entry: Mapping[str, Any], where: str) -> Any:
+        """A parameter group's hyperparameters: ``base`` with the group's settings."""
+        changes: dict[str, Any] = {}
+        for key, value in entry.items():
+            if key == "params":
+                continue
+            if key == "betas" and "beta1" in self.settings:
+                try:
+                    changes["beta1"], changes["beta2"] = value
+                except (TypeError, ValueError):
+                    raise ValueError(f"{where}: betas must be a pair, got {value!r}") from None
+            elif key in self.settings:
+                changes[key] = value
+            else:
+                known = ", ".join(self._group_keys())
+                raise TypeError(f"{where}: unknown setting {key!r} (a group of {self.name} "
+                                f"may set {known})")  # fmt: skip
+        return dataclasses.replace(base, **changes)
+
+    def _group_keys(self) -> list[str]:
+        keys = [k for k in self.settings if k not in ("beta1", "beta2")]
+        if "beta1" in self.settings:
+            keys.insert(1, "betas")
+        return keys
+
+    def as_group(self, config: Any) -> dict[str, Any]:
+        """The hyperparameters as a torch ``param_group`` writes them."""
+        out = {k: getattr(config, k) for k in self.settings if k not in ("beta1", "beta2")}
+        if "beta1" in self.settings:
+            out["betas"] = (config.beta1, config.beta2)
+        return out
+
+    def token(self, config: Any) -> tuple[Any, ...]:
+        """The hyperparameters as a tuple (the step's agreement hashes it)."""
+        return dataclasses.astuple(config)
+
+    def state_labels(self) -> list[str]:
+        return [s.label for s in self.states]
+
+
+#: ``ZeroConfig`` fields that belong to one rule or another.
+RULE_FIELDS: dict[str, Any] = {
+    "betas": None, "eps": 1e-8, "momentum": 0.0, "dampening": 0.0, "nesterov": False}  # fmt: skip
+
+
+def write_low(
+    p: np.ndarray, low: np.ndarray | None, stochastic: tuple[int, int] | None, lo: int
+) -> None:
+    """The updated block ``p`` (elements ``lo...`` of the call) rounded into ``low``."""
+    from ..adam import stochastic_round
+
+    if low is None:
+        return
+    if stochastic is not None:
+        stochastic_round(p, low, stochastic[0], stochastic[1] + lo)
+    else:  # (overflow rounds to inf, as the kernels do: no warning)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.copyto(low, p, casting="unsafe")
+
+
+def check_fields(rule: Rule, config: Any) -> None:
+    """A rule-specific ``ZeroConfig`` field set for a rule that does not read it is
+    an error naming it (``betas`` for SGD, ``momentum`` for Adam, ...)."""
+    for field, default in RULE_FIELDS.items():
+        value = getattr(config, field)
+        if field not in rule.reads and value != default:
+            raise ValueError(f"{field}={value!r} is not a setting of optimizer={rule.name!r} "
+                             f"(its settings: lr, weight_decay"
+                             f"{''.join(', ' + f for f in rule.reads)})")  # fmt: skip
