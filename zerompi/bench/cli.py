@@ -128,7 +128,8 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--optimizer", choices=("adam", "sgd", "lion"), default="adam",
-        help="the update rule the stages run (zerompi.rules); its floor counts its states",
+        help="the update rule the stages run (zerompi.rules; SGD with momentum 0.9); its "
+        "floor counts its states",
     )  # fmt: skip
     p.add_argument(
         "--bucket-elems",

@@ -113,6 +113,7 @@ def bench_stage(
         comm=comm.mpi,
         stage=stage,
         optimizer=getattr(args, "optimizer", "adam"),
+        **({"momentum": 0.9} if getattr(args, "optimizer", "adam") == "sgd" else {}),
         lr=LR,
         bucket_elems=args.bucket_elems,
         shared_memory=not args.no_shared_memory,

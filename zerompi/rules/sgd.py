@@ -91,16 +91,18 @@ class SGD(Rule):
                         np.add(b, t, out=b)
                     else:
                         np.add(b, g, out=b)
+            step_of = g  # what the parameter moves along: g, or b with plain momentum
+            if c.momentum:
                 if c.nesterov:
                     np.multiply(b, c.momentum, out=t)
                     np.add(g, t, out=g)
                 else:
-                    np.copyto(g, b)
+                    step_of = b
             if c.weight_decay and c.decoupled:
                 np.multiply(p, c.lr * c.weight_decay, out=t)
                 np.subtract(p, t, out=p)
-            np.multiply(g, c.lr, out=g)
-            np.subtract(p, g, out=p)
+            np.multiply(step_of, c.lr, out=t)
+            np.subtract(p, t, out=p)
             write_low(p, None if low is None else low[lo:hi], stochastic, lo)
 
     def as_group(self, config: Any) -> dict[str, Any]:
