@@ -40,8 +40,8 @@ def _the_optimizer(optimizers: Sequence[torch.optim.Optimizer]) -> torch.optim.O
         name = f"torch.optim.{kind.__name__}" if public else f"{kind.__module__}.{kind.__name__}"
         raise TypeError(
             f"zerompi.lightning: {name} is not supported: "
-            "zerompi shards and steps Adam/AdamW only; return torch.optim.AdamW or "
-            "torch.optim.Adam from configure_optimizers"
+            "configure_optimizers maps torch.optim.AdamW and torch.optim.Adam only; return "
+            "one of them (zerompi's SGD and Lion: zerompi.torch.shard(optimizer=...))"
         )
     return optimizer
 
