@@ -32,6 +32,10 @@ from zerompi.elastic import buddy_ranks, choose, moves, pieces, snapshot_bytes, 
 from zerompi.memory import estimate, estimate_max
 from zerompi.mpi.agreement import CollectiveError
 from zerompi.partition import default_group, optimizer_layout
+from zerompi.rules import rule_of
+
+#: The states of the default rule (Adam's moments), whose snapshots these tests lay out.
+ADAM = rule_of("adam").states
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "elastic_script.py"
@@ -55,16 +59,17 @@ def test_the_reshard_moves_every_element_once(old_size: int, new_size: int) -> N
     including worlds where trailing ranks own nothing (9 ranks, 16-element buckets)."""
     old, new = layout(old_size), layout(new_size)
     state = {}  # section -> global values
-    for section, *_ in pieces(old, 0):
+    for section, *_ in pieces(old, 0, ADAM):
         state.setdefault(section, None)
     for section in state:
         kind, _, dtype = section.partition(".")
         size = old.sizes[np.dtype(dtype)]
         state[section] = np.arange(size, dtype=np.float64) + 1000 * len(kind)
-    targets = {n: [np.full(c, np.nan) for _, _, c, _ in pieces(new, n)] for n in range(new_size)}
+    targets = {n: [np.full(c, np.nan) for _, _, c, _ in pieces(new, n, ADAM)]
+               for n in range(new_size)}  # fmt: skip
     seen = 0
-    for m in moves(old, old_size, new, new_size):
-        section, first, count, _ = pieces(old, m.old)[m.old_piece]
+    for m in moves(old, old_size, new, new_size, ADAM):
+        section, first, count, _ = pieces(old, m.old, ADAM)[m.old_piece]
         src = state[section][first + m.old_at : first + m.old_at + m.count]
         out = targets[m.new][m.new_piece][m.new_at : m.new_at + m.count]
         assert np.isnan(out).all()  # written once
@@ -72,7 +77,7 @@ def test_the_reshard_moves_every_element_once(old_size: int, new_size: int) -> N
         seen += m.count
     assert seen == 3 * sum(old.sizes.values())
     for n in range(new_size):
-        for (section, first, count, _), got in zip(pieces(new, n), targets[n], strict=True):
+        for (section, first, count, _), got in zip(pieces(new, n, ADAM), targets[n], strict=True):
             np.testing.assert_array_equal(got, state[section][first : first + count])
 
 
@@ -80,13 +85,13 @@ def test_the_reshard_moves_every_element_once(old_size: int, new_size: int) -> N
 def test_an_empty_shard_has_a_snapshot_of_counters_only() -> None:
     # 40 + 3 elements over 9 ranks: rank 8 owns nothing of either bucket
     lay = layout(9, specs=[*SPECS[:2], ("c", (3,), np.dtype(np.float32))])
-    empty = [r for r in range(9) if not any(c for _, _, c, _ in pieces(lay, r))]
+    empty = [r for r in range(9) if not any(c for _, _, c, _ in pieces(lay, r, ADAM))]
     assert empty, "the layout was meant to leave some ranks empty"
-    assert all(snapshot_bytes(lay, r) == 64 for r in empty)
+    assert all(snapshot_bytes(lay, r, ADAM) == 64 for r in empty)
     assert 8 in empty and 0 not in empty
-    own = snapshot_plan(lay, 0, 8)
+    own = snapshot_plan(lay, 0, 8, ADAM)
     assert [b.kind.label for b in own] == ["snapshot_own", "snapshot_held", "snapshot_next"]
-    assert [b.count for b in own] == [snapshot_bytes(lay, 0), 64, 64]
+    assert [b.count for b in own] == [snapshot_bytes(lay, 0, ADAM), 64, 64]
 
 
 @pytest.mark.mpi_skip
@@ -140,7 +145,7 @@ def test_the_estimate_counts_three_snapshot_buffers(stage: int) -> None:
         elastic = estimate(SPECS, world, rank, stage, 16, elastic=True)
         lay = layout(world, rank, 16, stage)
         source = buddy_ranks(world, rank)[1]
-        extra = snapshot_bytes(lay, rank) + 2 * snapshot_bytes(lay, source)
+        extra = snapshot_bytes(lay, rank, ADAM) + 2 * snapshot_bytes(lay, source, ADAM)
         assert elastic["usage"]["snapshots"] == extra
         assert elastic["total_bytes"] - plain["total_bytes"] == extra
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .buffers import Kind, PlannedBuffer, StateKind
-from .plan import ADAM_STATES, state_kinds
+from .plan import state_kinds
 
 if TYPE_CHECKING:
     from .partition import Layout
@@ -128,7 +128,7 @@ def elastic_setup(comm: Any) -> None:
 
 
 def pieces(
-    layout: Layout, rank: int, states: Sequence[StateKind] = ADAM_STATES
+    layout: Layout, rank: int, states: Sequence[StateKind]
 ) -> list[tuple[str, int, int, np.dtype]]:
     """``(section, first global element, count, dtype)`` of every piece of ``rank``'s
     shard state (the parameters and the update rule's ``states``), in the order of
@@ -153,7 +153,7 @@ def offsets(parts: Sequence[tuple[str, int, int, np.dtype]]) -> tuple[list[int],
     return out, at
 
 
-def snapshot_bytes(layout: Layout, rank: int, states: Sequence[StateKind] = ADAM_STATES) -> int:
+def snapshot_bytes(layout: Layout, rank: int, states: Sequence[StateKind]) -> int:
     """Bytes of ``rank``'s snapshot."""
     return offsets(pieces(layout, rank, states))[1]
 
@@ -175,7 +175,7 @@ def buddy_ranks(
 
 
 def snapshot_plan(
-    layout: Layout, rank: int, source: int, states: Sequence[StateKind] = ADAM_STATES
+    layout: Layout, rank: int, source: int, states: Sequence[StateKind]
 ) -> list[PlannedBuffer]:
     """The snapshot buffers of ``rank`` holding ``source``'s (category ``snapshots``):
     3 x the shard state, plus 64 bytes of counters per buffer."""
@@ -225,7 +225,7 @@ class Snapshots:
     def __init__(
         self, every: int, comm: Any, layout: Layout, live: Sequence[np.ndarray],
         buddy: int, source: int, stores: dict[str, np.ndarray], exchange: Any,
-        states: Sequence[StateKind] = ADAM_STATES,
+        states: Sequence[StateKind],
     ) -> None:  # fmt: skip
         self.every, self.comm, self.layout = every, comm, layout
         self.buddy, self.source = buddy, source
@@ -355,8 +355,7 @@ class Move:
 
 
 def moves(
-    old: Layout, old_size: int, new: Layout, new_size: int,
-    states: Sequence[StateKind] = ADAM_STATES,
+    old: Layout, old_size: int, new: Layout, new_size: int, states: Sequence[StateKind],
 ) -> list[Move]:  # fmt: skip
     """Every run of elements between the shard pieces of the old and the new world,
     in one order every rank computes alike (by new rank, its pieces, then old rank
@@ -382,7 +381,7 @@ def moves(
 def reshard(
     comm: Any, old: Layout, old_size: int, new: Layout, where: dict[int, tuple[int, str]],
     sources: Callable[[int, str], list[np.ndarray]], targets: Sequence[np.ndarray],
-    alltoallv: Callable[..., None], states: Sequence[StateKind] = ADAM_STATES,
+    alltoallv: Callable[..., None], states: Sequence[StateKind],
 ) -> None:  # fmt: skip
     """Collective over the new world ``comm``: fill this rank's shard pieces
     (``targets``, in :func:`pieces` order of ``new``) from the old world's states,

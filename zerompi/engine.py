@@ -232,7 +232,7 @@ def _buffers(settings: Settings, layout: Layout, nodes: Nodes, plan: StagePlan,
     region = nodes.peers if plan.shared_memory and nodes.count > 1 else None
     rule = settings.rule
     out = buffer_plan(layout, plan, settings.config.overlap.enabled, settings.precisions, region,
-                      rule.states, rule.scratch_blocks)  # fmt: skip
+                      states=rule.states, scratch_blocks=rule.scratch_blocks)  # fmt: skip
     if buddies is not None:
         out += snapshot_plan(layout, layout.rank, buddies[1], rule.states)
     return out

@@ -41,10 +41,7 @@ from .adam import BLOCK
 from .buffers import AnyKind, Kind, Placement, PlannedBuffer, StateKind, Stores
 from .partition import Layout
 from .precision import Precision
-from .rules.adam import ADAM
 
-#: The default update rule's states (Adam's moments).
-ADAM_STATES: tuple[StateKind, ...] = ADAM.states
 
 def state_kinds(states: Sequence[StateKind]) -> tuple[AnyKind, ...]:
     """The kinds of state a checkpoint (and an elastic snapshot) holds, in file order:
@@ -199,7 +196,7 @@ def stage_plan(
 def buffer_plan(
     layout: Layout, plan: StagePlan, overlap: bool = True,
     precisions: Mapping[np.dtype, Precision] | None = None,
-    region: Sequence[int] | None = None, states: Sequence[StateKind] = ADAM_STATES,
+    region: Sequence[int] | None = None, *, states: Sequence[StateKind],
     scratch_blocks: int = 1,
 ) -> list[PlannedBuffer]:  # fmt: skip
     """Every buffer an optimizer of ``plan`` allocates at construction on the rank of
@@ -333,7 +330,7 @@ def shard_of(store: Mapping[np.dtype, np.ndarray], layout: Layout, index: int) -
 
 
 def bucket_parts(
-    plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind] = ADAM_STATES
+    plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind]
 ) -> list[Part]:
     """Every bucket's :class:`Part` over the optimizer's buffers (``stores`` by kind,
     then master dtype, as :func:`buffer_plan` plans them; ``states``: the rule's)."""
@@ -440,7 +437,7 @@ def master_is_full(plan: StagePlan, stores: Stores, dtype: np.dtype) -> bool:
 
 
 def state_views(
-    plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind] = ADAM_STATES
+    plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind]
 ) -> list[tuple[str, int, np.ndarray]]:
     """``(section, first global element, this rank's shard)`` of every bucket of every
     kind of state (:func:`state_kinds`), in one fixed order: writable views of the

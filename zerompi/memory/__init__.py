@@ -210,7 +210,7 @@ def estimate(
     stage_kinds = stage_plan(stage, shared, count == 1, low)
     rule = rule_of(optimizer)
     plan = buffer_plan(layout, stage_kinds, overlap, precs, peers if count > 1 else None,
-                       rule.states, rule.scratch_blocks)  # fmt: skip
+                       states=rule.states, scratch_blocks=rule.scratch_blocks)  # fmt: skip
     if full_grads and stage == 2:
         plan += full_grads_plan(layout, precs, shared)
     traffic = step_traffic(layout, stage, precs, shared, per_node)

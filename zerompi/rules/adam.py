@@ -27,7 +27,6 @@ def betas_of(config: Any, default: tuple[float, float]) -> tuple[float, float]:
 class Adam(Rule):
     name = "adam"
     states = (StateKind("exp_avg"), StateKind("exp_avg_sq"))
-    config_type = AdamConfig
     settings = ("lr", "beta1", "beta2", "eps", "weight_decay")
     reads = ("betas", "eps")
 

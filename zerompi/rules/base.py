@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
+from ..adam import stochastic_round
 from ..buffers import StateKind
 
 
@@ -19,9 +20,6 @@ class Rule(ABC):
     name: ClassVar[str]
     #: Its per-element states, in checkpoint order.
     states: ClassVar[tuple[StateKind, ...]]
-    #: The hyperparameters of one parameter group (a frozen dataclass that validates
-    #: itself on construction).
-    config_type: ClassVar[type]
     #: The config's fields a parameter group and ``set_hyperparameters`` may change
     #: (a group may also write ``betas`` for ``beta1``/``beta2``).
     settings: ClassVar[tuple[str, ...]]
@@ -93,12 +91,17 @@ RULE_FIELDS: dict[str, Any] = {
     "betas": None, "eps": 1e-8, "momentum": 0.0, "dampening": 0.0, "nesterov": False}  # fmt: skip
 
 
+def blocks(n: int, size: int) -> Iterator[tuple[int, int]]:
+    """``(lo, hi)`` of consecutive blocks of at most ``size`` (>= 1) of ``n`` elements:
+    the pieces a numpy update works on while they stay in cache."""
+    for lo in range(0, n, size):
+        yield lo, min(lo + size, n)
+
+
 def write_low(
     p: np.ndarray, low: np.ndarray | None, stochastic: tuple[int, int] | None, lo: int
 ) -> None:
     """The updated block ``p`` (elements ``lo...`` of the call) rounded into ``low``."""
-    from ..adam import stochastic_round
-
     if low is None:
         return
     if stochastic is not None:

@@ -22,7 +22,7 @@ import numpy as np
 from ..adam import finite_real
 from ..buffers import StateKind
 from .adam import betas_of
-from .base import Rule, write_low
+from .base import Rule, blocks, write_low
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,6 @@ class LionConfig:
 class Lion(Rule):
     name = "lion"
     states = (StateKind("exp_avg"),)
-    config_type = LionConfig
     settings = ("lr", "beta1", "beta2", "weight_decay")
     reads = ("betas",)
     scratch_blocks = 2
@@ -64,9 +63,8 @@ class Lion(Rule):
     ) -> None:  # fmt: skip
         c = config
         (exp_avg,) = states
-        n, block = param.shape[0], max(scratch.shape[0] // 2, 1)
-        for lo in range(0, n, block):
-            hi = min(lo + block, n)
+        block = max(scratch.shape[0] // 2, 1)
+        for lo, hi in blocks(param.shape[0], block):
             p, g, m = param[lo:hi], grad[lo:hi], exp_avg[lo:hi]
             t, u = scratch[: hi - lo], scratch[block : block + hi - lo]
             if divisor != 1.0:

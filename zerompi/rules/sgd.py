@@ -22,7 +22,7 @@ import numpy as np
 
 from ..adam import finite_real
 from ..buffers import StateKind
-from .base import Rule, write_low
+from .base import Rule, blocks, write_low
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,6 @@ class SGDConfig:
 class SGD(Rule):
     name = "sgd"
     states = (StateKind("momentum_buffer"),)
-    config_type = SGDConfig
     settings = ("lr", "momentum", "dampening", "weight_decay")
     reads = ("momentum", "dampening", "nesterov")
 
@@ -72,9 +71,7 @@ class SGD(Rule):
     ) -> None:  # fmt: skip
         c = config
         (buf,) = states
-        n, block = param.shape[0], scratch.shape[0]
-        for lo in range(0, n, block):
-            hi = min(lo + block, n)
+        for lo, hi in blocks(param.shape[0], scratch.shape[0]):
             p, g, b, t = param[lo:hi], grad[lo:hi], buf[lo:hi], scratch[: hi - lo]
             if divisor != 1.0:
                 np.divide(g, divisor, out=g)
