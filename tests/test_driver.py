@@ -133,6 +133,7 @@ def test_default_run_trains_and_matches_the_reference(
 
 
 @pytest.mark.mpi_skip
+@pytest.mark.same_launch  # test_default_run_trains_and_matches_the_reference launches it
 @pytest.mark.parametrize(
     "args",
     [

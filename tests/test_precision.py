@@ -533,6 +533,7 @@ DRIVER_CASES = [
 
 
 @pytest.mark.mpi_skip
+@pytest.mark.same_launch  # the driver's launch: tests/test_driver.py
 @pytest.mark.parametrize(
     ("ranks", "args"), DRIVER_CASES, ids=[" ".join(a[1::2]) + f" W={r}" for r, a in DRIVER_CASES]
 )
@@ -559,6 +560,7 @@ def test_driver_matches_the_reference_with_roundings(
 
 
 @pytest.mark.mpi_skip
+@pytest.mark.same_launch
 def test_bfloat16_training_ends_within_2_percent_of_float32(tmp_path: Path) -> None:
     """200 steps of the default model at W=2, stage 2: bfloat16 parameters and
     gradients end within 2 % of the float32 run's loss."""
