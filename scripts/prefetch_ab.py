@@ -1,7 +1,8 @@
-"""Stage 3's prefetch in the torch adapter, on and off, alternated in one run.
+"""Stage 3's prefetch (or its spare storages) in the torch adapter, on and off,
+alternated in one run.
 
     mpiexec -n 2 python scripts/prefetch_ab.py [--size 16e6] [--rounds 6] [--steps 4]
-                                               [--arch gpt|llama]
+                                               [--arch gpt|llama] [--toggle spares]
 
 The whole-step bench's model (``python -m zerompi.bench --model gpt``'s
 :func:`zerompi.bench.gpt.gpt_config`, or its ``--arch llama``) through
@@ -11,12 +12,16 @@ prefetch on (the buckets of at least ``PREFETCH_MIN_ELEMS`` elements gathered ah
 as shipped) and ``--steps`` with it off (every gather blocking), in alternating order
 (on-off, off-on, ...), after two untimed steps. A step: forward, backward, ``step()``,
 ``zero_grad()``, from a barrier to its end, the slowest rank. Prints the median step
-of each side, their ratio and the gathers served ahead per step.
+of each side, their ratio and the gathers served ahead per step. ``--toggle spares``
+switches the other thing instead: the released buckets' memory kept for the next
+gathers (:class:`zerompi.torch._units.Spares`, as shipped) or given back to the C
+library every time (off); it also prints the page faults per step of each side.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -37,6 +42,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--toggle", choices=("prefetch", "spares"), default="prefetch")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -46,43 +52,55 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     model, opt = shard(model, stage=3, shared_memory=False, lr=3e-4, weight_decay=0.1)
     units = opt.units
-    shipped = list(units.worth)
+    shipped, kept = list(units.worth), units.spares.limit
     vocab, step_no = cfg["vocab"], 0
 
-    def one_step() -> float:
+    def one_step() -> tuple[float, int]:
         nonlocal step_no
         data = batch(step_no, comm.rank, 1, cfg["seq"], vocab)
         step_no += 1
         comm.Barrier()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         out = logits(model(data[:, :-1]))
         F.cross_entropy(out.reshape(-1, vocab), data[:, 1:].reshape(-1)).backward()
         opt.step()
         opt.zero_grad()
-        return comm.allreduce(time.perf_counter() - start, MPI.MAX)
+        seconds = comm.allreduce(time.perf_counter() - start, MPI.MAX)
+        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
     for _ in range(2):
         one_step()
     times: dict[str, list[float]] = {"on": [], "off": []}
+    faults: dict[str, list[int]] = {"on": [], "off": []}
     served: list[int] = []
     for r in range(args.rounds):
         for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
-            units.worth = shipped if side == "on" else [False] * len(shipped)
+            if args.toggle == "prefetch":
+                units.worth = shipped if side == "on" else [False] * len(shipped)
+            else:
+                units.spares.limit = kept if side == "on" else 0
+                units.spares.clear()
             one_step()  # the first step after a switch follows the order learned before
             for _ in range(args.steps):
                 before = units.prefetched
-                times[side].append(one_step())
+                seconds, faulted = one_step()
+                times[side].append(seconds)
+                faults[side].append(faulted)
                 if side == "on":
                     served.append(units.prefetched - before)
     opt.close()
     if comm.rank == 0:
         on, off = (1e3 * statistics.median(times[k]) for k in ("on", "off"))
-        print(f"prefetch A/B: {args.arch}, {params:,} "
+        print(f"{args.toggle} A/B: {args.arch}, {params:,} "
               f"params, W={comm.size}, {len(units.worth)} buckets "
               f"({sum(shipped)} prefetchable), {args.rounds} rounds x {args.steps} steps "
               f"per side, alternated")  # fmt: skip
-        print(f"median step ms: prefetch on {on:.1f}, off {off:.1f}, on/off {on / off:.3f}; "
-              f"gathers served ahead per step: {statistics.median(served):.0f}")  # fmt: skip
+        print(f"median step ms: {args.toggle} on {on:.1f}, off {off:.1f}, on/off "
+              f"{on / off:.3f}; gathers served ahead per step: "
+              f"{statistics.median(served):.0f}; rank 0's page faults per step: on "
+              f"{statistics.median(faults['on']):.0f}, off "
+              f"{statistics.median(faults['off']):.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

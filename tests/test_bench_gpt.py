@@ -115,3 +115,18 @@ def test_a_failed_setup_is_a_row_with_its_reason() -> None:
     text = table(rows)
     assert "| 5 | fsdp2 | - | - | - | - | - | failed: timed out after 60 s |" in text
     assert "| 5 | zerompi-2 | 5 | 4 | 0.50 | 1 | 0 | ok |" in text
+
+
+def test_rounds_merge_to_the_median_run() -> None:
+    """``--rounds``: a setup's row is its median run (the lower middle of an even
+    count), every run's time kept, the largest peak RSS; a failed round is the row."""
+    from zerompi.bench.gpt import merge_rounds
+
+    runs = [{"status": "ok", "step_ms": t, "rss_mib": m, "last_loss": t}
+            for t, m in ((30.0, 5.0), (10.0, 7.0), (20.0, 6.0))]  # fmt: skip
+    row = merge_rounds(runs)
+    assert row["step_ms"] == 20.0 and row["last_loss"] == 20.0
+    assert row["rounds_step_ms"] == [30.0, 10.0, 20.0] and row["rss_mib"] == 7.0
+    assert merge_rounds(runs[:2])["step_ms"] == 10.0
+    failed = merge_rounds([runs[0], {"status": "failed", "reason": "timed out"}])
+    assert failed["status"] == "failed" and failed["reason"] == "round 2 of 2: timed out"

@@ -46,8 +46,11 @@ proportional set size after the timed steps, which counts a page shared by the
 node's ranks (zerompi's one parameter copy per node at stages 1-2) once per node,
 not once per rank as RSS does (``rss_end_mib``). A setup that fails, hangs
 (``--timeout``) or is refused is a row with its status and reason; the others still
-run. Rank 0 of a worker writes its row as JSON; this command prints a markdown table
-and writes every row (``--json``).
+run. ``--rounds R`` runs every setup R times, alternated (each round starts one setup
+later in the list), and a row is its setup's median run (``rounds_step_ms``: all R),
+so the ratios are not the luck of one launch on a busy machine. Rank 0 of a worker
+writes its row as JSON; this command prints a markdown table and writes every row
+(``--json``).
 """
 
 from __future__ import annotations
@@ -352,6 +355,20 @@ def launch(setup: str, size: int, args: argparse.Namespace, folder: str) -> dict
         return {**row, **json.load(f)}
 
 
+def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One setup's row from its ``--rounds`` runs (each a row): the run whose step
+    time is the median (the lower middle of an even count), with ``rounds_step_ms``
+    every run's step time and ``rss_mib`` the largest peak of them; the first run
+    that did not succeed instead, where one did not (with the round it was)."""
+    for at, run in enumerate(runs):
+        if run.get("status") != "ok":
+            return {**run, "reason": f"round {at + 1} of {len(runs)}: {run.get('reason')}"}
+    ordered = sorted(runs, key=lambda r: r["step_ms"])
+    middle = ordered[(len(ordered) - 1) // 2]
+    return {**middle, "rounds_step_ms": [r["step_ms"] for r in runs],
+            "rss_mib": max(r["rss_mib"] for r in runs)}  # fmt: skip
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """``vs_best_torch``: each measured row's step time over the fastest torch setup
     of the same size (``None`` when no torch setup of that size ran)."""
@@ -398,6 +415,10 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
                    help=f"comma-separated setups, of {', '.join(SETUPS)}")
     p.add_argument("--ranks", type=positive, default=2, help="ranks per setup")
     p.add_argument("--steps", type=positive, default=10, help="timed steps")
+    p.add_argument("--rounds", type=positive, default=1,
+                   help="runs of every setup, alternated (round r starts r setups later in "
+                        "the list); a row is its setup's median run, so a machine's drift "
+                        "or a burst of other load moves every setup alike")
     p.add_argument("--warmup", type=non_negative, default=2, help="untimed steps before")
     p.add_argument("--seq", type=positive, default=64, help="tokens per sequence")
     p.add_argument("--rows", type=positive, default=1, help="sequences per rank and step")
@@ -436,19 +457,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="zerompi-gpt-") as folder:
         for size in sizes:
-            for setup in setups:
-                row = launch(setup, size, args, folder)
-                ok = row.get("status") == "ok"
-                shown = (f"{row['step_ms']:.0f} ms, {row['rss_mib']:.0f} MiB" if ok
-                         else f"{row['status']}: {row['reason']}")  # fmt: skip
-                print(f"zerompi.bench gpt: {args.arch}, {size:,} params, {setup}: {shown}",
-                      flush=True)  # fmt: skip
-                rows.append(row)
+            runs: dict[str, list[dict[str, Any]]] = {s: [] for s in setups}
+            for r in range(args.rounds):
+                for setup in setups[r % len(setups):] + setups[: r % len(setups)]:
+                    row = launch(setup, size, args, folder)
+                    ok = row.get("status") == "ok"
+                    shown = (f"{row['step_ms']:.0f} ms, {row['rss_mib']:.0f} MiB" if ok
+                             else f"{row['status']}: {row['reason']}")  # fmt: skip
+                    print(f"zerompi.bench gpt: {args.arch}, {size:,} params, {setup}: "
+                          f"{shown}", flush=True)  # fmt: skip
+                    runs[setup].append(row)
+            rows.extend(merge_rounds(runs[s]) for s in setups)
     add_ratios(rows)
     print(table(rows), flush=True)
     if args.json:
         write_json(args.json, {"arch": args.arch, "ranks": args.ranks, "steps": args.steps,
-                               "warmup": args.warmup,
+                               "warmup": args.warmup, "rounds": args.rounds,
                                "seq": args.seq, "rows_per_rank": args.rows,
                                "argv": list(sys.argv[1:] if argv is None else argv),
                                "rows": rows})  # fmt: skip
