@@ -4,8 +4,10 @@ loop, alternated in one process (the same data per rank, accumulation 2, clippin
 AdamW, a linear schedule), and the ratios of their times (target: <= 1.1): of the
 best whole runs, of the best median steps, and of the median step over all rounds
 (the figure least moved by other load on the machine). A median step is the steady
-state, without the setup (HF's ``train()`` starts with a ``gc.collect()`` of its own,
-a few tenths of a second). ::
+state, without the setup (HF's ``train()`` starts with a ``gc.collect()`` of its own).
+Before each run, untimed, a ``gc.collect()`` frees what the runs before left: a
+process that trains once has no earlier run's models and optimizers in reference
+cycles, and HF's own collection would otherwise pay for freeing them. ::
 
     mpiexec -n 2 python scripts/bench_hf_trainer.py [--stage 2] [--steps 30] [--rounds 3]
 
@@ -16,6 +18,7 @@ count. Rank 0 prints the times and one ``RESULT {json}`` line.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -138,10 +141,16 @@ def main() -> None:
     torch.set_num_threads(1)
     comm = Comm()
     data = Tokens(options.steps * ACCUM * comm.size * BATCH)
+    gc.collect()
+    start = time.perf_counter()
+    gc.collect()  # what HF's start pays where nothing is frozen (ZeroMPITrainer freezes)
+    collect = (time.perf_counter() - start, len(gc.get_objects()))
     times: dict[str, list[tuple[float, float]]] = {"trainer": [], "shard": []}
     for _ in range(options.rounds):  # alternated: drift hits both alike
+        gc.collect()  # the last run's garbage is not this one's to free (untimed)
         times["trainer"].append(through_trainer(comm, data, options.stage, options.steps,
                                                 options.output_dir))  # fmt: skip
+        gc.collect()
         times["shard"].append(through_shard(comm, data, options.stage, options.steps))
     run = {k: min(t for t, _ in v) for k, v in times.items()}
     step = {k: min(s for _, s in v) for k, v in times.items()}
@@ -156,8 +165,11 @@ def main() -> None:
               f"{ratios['step']:.3f}x the best median step, {ratios['typical_step']:.3f}x "
               f"the median step over the rounds ({comm.size} ranks, stage "
               f"{options.stage}, {options.steps} steps)", flush=True)  # fmt: skip
+        print(f"one full gc.collect() with nothing frozen, before the runs: "
+              f"{collect[0]:.3f} s over {collect[1]:,} tracked objects", flush=True)  # fmt: skip
         print("RESULT " + json.dumps({"ranks": comm.size, "stage": options.stage, "run": run,
-                                      "step": step, "ratios": ratios}), flush=True)  # fmt: skip
+                                      "step": step, "ratios": ratios,
+                                      "gc_collect_s": collect[0]}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

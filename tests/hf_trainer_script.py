@@ -16,6 +16,7 @@ generated token sequences. Prints one ``RESULT {json}`` line on rank 0.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ import torch
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    TrainerCallback,
     TrainingArguments,
     get_linear_schedule_with_warmup,
 )
@@ -136,15 +138,36 @@ def plain_loop(stage_settings: dict[str, object]) -> tuple[dict, list[float]]:
     return trained, norms
 
 
-def trainer_run(out: str, **keywords: object) -> tuple[dict, dict]:
-    """The trainer over the same data; its parameters and save_model read back."""
+class FreezeSeen(TrainerCallback):
+    """The garbage collector's frozen object count when training begins."""
+
+    def __init__(self) -> None:
+        self.frozen = -1
+
+    def on_train_begin(self, *_: object, **__: object) -> None:
+        self.frozen = gc.get_freeze_count()
+
+
+def trainer_run(out: str, user_froze: bool = False, **keywords: object) -> tuple[dict, dict]:
+    """The trainer over the same data; its parameters and save_model read back; what
+    the collector had frozen during and after ``train()`` (``user_froze``: the
+    program froze objects itself before, which the trainer must leave frozen)."""
     args = arguments(out, train_sampling_strategy="sequential")
-    trainer = ZeroMPITrainer(model=new_model(), args=args, train_dataset=Tokens(), **keywords)
+    seen = FreezeSeen()
+    trainer = ZeroMPITrainer(model=new_model(), args=args, train_dataset=Tokens(),
+                             callbacks=[seen], **keywords)  # fmt: skip
+    if user_froze:
+        gc.freeze()
+    before = gc.get_freeze_count()
     trainer.train()
+    after = gc.get_freeze_count()
+    if user_froze:
+        gc.unfreeze()
     trained = parameters(trainer.model, trainer.sharded)
     trainer.save_model(f"{out}/saved")
     single = [torch.distributed.is_initialized(), args.world_size, args.process_index]
-    result: dict = {"single": comm.allgather(single)}
+    result: dict = {"single": comm.allgather(single),
+                    "frozen": {"before": before, "during": seen.frozen, "after": after}}
     if comm.rank == 0:
         back = GPT2LMHeadModel.from_pretrained(f"{out}/saved")
         loaded = dict(back.named_parameters())
@@ -182,8 +205,9 @@ def parity(folder: str) -> dict:
     stages = {1: {"stage": 1}, 2: {"stage": 2}, 3: {"stage": 3, "shared_memory": False}}
     for stage, settings in stages.items():
         keywords: dict = {"stage": stage}
-        if stage == 3:  # a config and the stage over it
+        if stage == 3:  # a config and the stage over it; the program froze objects
             keywords["zero_config"] = ZeroConfig().replace(shared_memory=False)
+            keywords["user_froze"] = True
         trained, saved = trainer_run(f"{folder}/stage{stage}", **keywords)
         reference, norms = plain_loop(settings)
         initial = {n: p.detach() for n, p in new_model().named_parameters()}

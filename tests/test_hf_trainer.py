@@ -3,7 +3,8 @@
 trainer ends where a plain ``shard()`` loop over the same data ends (accumulation,
 clipping, decay groups, warmup schedule, a loss averaged over every rank's label
 tokens); ``save_model`` is read by ``from_pretrained`` bit for bit; a refused
-``optim`` is an error on every rank; a checkpoint saved at 2 ranks and stage 3
+``optim`` is an error on every rank; ``train()`` freezes the objects alive before it
+for HF's garbage collection (and leaves a program's own freeze alone); a checkpoint saved at 2 ranks and stage 3
 resumes at 1 rank and stage 2 to the parameters of the uninterrupted run; the example
 runs. Skipped without torch or transformers (CI installs both)."""
 
@@ -61,6 +62,18 @@ def test_save_model_is_read_by_from_pretrained_bit_for_bit(stage: int, parity: t
     result = parity[1][f"stage{stage}"]
     assert result["saved_diff"] == 0.0, result
     assert result["saved_names_match"] and result["saved_tied"], result
+
+
+@pytest.mark.timeout(200)
+def test_train_freezes_what_lives_before_it_for_the_collector(parity: tuple) -> None:
+    """HF's full ``gc.collect()`` at the start of training scans no object that was
+    alive before ``train()`` (frozen during it, unfrozen after); where the program
+    had frozen objects itself (the stage-3 run), the trainer leaves them frozen."""
+    mine, theirs = parity[1]["stage2"]["frozen"], parity[1]["stage3"]["frozen"]
+    assert mine["before"] == 0 and mine["during"] > 100_000 and mine["after"] == 0, mine
+    # (frozen objects that die leave the count: it only falls while nothing freezes)
+    assert theirs["before"] > 100_000 and theirs["during"] <= theirs["before"], theirs
+    assert theirs["after"] > 100_000, theirs  # not unfrozen by the trainer
 
 
 @pytest.mark.timeout(200)

@@ -342,7 +342,12 @@ def test_stage_3_prefetch_learns_the_order_and_survives_a_change(comm: MPI.Intra
                 reused.append(units.reused - kept_before)
                 if units.ahead or any(f.untyped_storage().nbytes() for f in units.flats):
                     problems.append(f"step {step}: gathers in flight or storages after step()")
+                if not 0 < units.spares.nbytes <= units.spares.limit:
+                    problems.append(f"step {step}: {units.spares.nbytes} bytes of spares, "
+                                    f"limit {units.spares.limit}")  # fmt: skip
         results.append((losses, opt.zero.full_params()))
+        if units is not None:
+            filled = (units.spares.served, units.gathers)
         opt.close()
     (losses2, params2), (losses3, params3) = results
     if not np.allclose(losses3, losses2, rtol=1e-6, atol=0):
@@ -360,7 +365,48 @@ def test_stage_3_prefetch_learns_the_order_and_survives_a_change(comm: MPI.Intra
     # backward, is kept for it in the steps that follow the order
     if reused != [0, 1, 1, 0, 0, 1]:
         problems.append(f"gathers saved by keeping a bucket per step: {reused}")
+    # the released buckets' memory (two of the four equal buckets fit the spares) is
+    # what later gathers get: all but the first two of the 45 gathers
+    if filled != (43, 45):
+        problems.append(f"gathers given a spare's memory, of all: {filled}")
     assert_all(not problems, "\n".join(problems[:6]))
+
+
+def test_spares_keep_released_memory_up_to_their_limit() -> None:
+    """Stage 3's spares (no MPI): a released storage's memory is kept (the storage
+    left empty, the same object), the next fill of a size it holds (up to twice as
+    large) gets that very memory, the oldest go beyond the limit, a larger storage
+    is never kept, and with no limit (a torch without ``_swap_data_ptr_``) storages
+    are resized as before."""
+    from zerompi.torch._units import Spares
+
+    spares = Spares(1000)
+    a, b, c = (torch.UntypedStorage(n) for n in (400, 400, 300))
+    spares.empty(a)
+    assert a.nbytes() == 0 and spares.nbytes == 400
+    spares.empty(b)
+    spares.empty(c)  # 1100 > 1000: the oldest (a's memory) goes
+    assert spares.nbytes == 700 and [s.nbytes() for s in spares.kept] == [400, 300]
+    fresh = torch.UntypedStorage(0)
+    spares.fill(fresh, 250)  # the smallest that holds 250 bytes: c's 300
+    assert fresh.nbytes() == 300 and spares.nbytes == 400 and spares.served == 1
+    tiny = torch.UntypedStorage(0)
+    spares.fill(tiny, 100)  # b's 400 is more than twice 100: new memory
+    assert tiny.nbytes() == 100 and spares.nbytes == 400 and spares.served == 1
+    again = torch.UntypedStorage(0)
+    spares.fill(again, 400)
+    assert again.nbytes() == 400 and spares.nbytes == 0 and spares.served == 2
+    spares.empty(torch.UntypedStorage(2000))  # beyond the limit: freed
+    assert spares.nbytes == 0
+    reused, address = torch.UntypedStorage(0), again.data_ptr()
+    spares.empty(again)
+    spares.fill(reused, 400)
+    assert reused.data_ptr() == address and spares.served == 3  # the very memory
+    off = Spares(0)
+    d = torch.UntypedStorage(64)
+    off.empty(d)
+    off.fill(d, 32)
+    assert d.nbytes() == 32 and off.nbytes == 0 and off.served == 0
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

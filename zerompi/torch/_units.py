@@ -76,6 +76,7 @@ class Units:
         self.named = named
         self.prefetched = 0  # gathers served by a prefetch (tests, reports)
         self.reused = 0  # gathers saved by keeping a bucket the order needed next
+        self.gathers = 0  # storages filled by a gather, prefetches included (reports)
         #: Counts :meth:`rebind` calls: a block entered before one leaves its holds alone.
         self.generation = 0
         #: Storages of gathers a recovery abandoned in flight (MPI may still own them).
@@ -162,6 +163,7 @@ class Units:
     # -- residency ---------------------------------------------------------------
 
     def _allocate(self, index: int) -> np.ndarray:
+        self.gathers += 1
         flat = self.flats[index]
         self.spares.fill(flat.untyped_storage(), flat.numel() * flat.element_size())
         return storage_array(flat, self.dtypes[index])
@@ -396,6 +398,7 @@ class Spares:
     def __init__(self, limit: int) -> None:
         self.limit = limit if hasattr(torch.UntypedStorage, "_swap_data_ptr_") else 0
         self.kept: list[torch.UntypedStorage] = []  # oldest first
+        self.served = 0  # fills given a spare's memory (tests, reports)
 
     @property
     def nbytes(self) -> int:
@@ -412,6 +415,7 @@ class Spares:
         spare = min(fits, key=lambda s: s.nbytes())
         self.kept.remove(spare)
         storage._swap_data_ptr_(spare)
+        self.served += 1
 
     def empty(self, storage: torch.UntypedStorage) -> None:
         """Take ``storage``'s memory (it is left with 0 bytes) and keep it, dropping
