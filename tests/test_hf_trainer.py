@@ -4,9 +4,10 @@ trainer ends where a plain ``shard()`` loop over the same data ends (accumulatio
 clipping, decay groups, warmup schedule, a loss averaged over every rank's label
 tokens); ``save_model`` is read by ``from_pretrained`` bit for bit; a refused
 ``optim`` is an error on every rank; ``train()`` freezes the objects alive before it
-for HF's garbage collection (and leaves a program's own freeze alone); a checkpoint saved at 2 ranks and stage 3
-resumes at 1 rank and stage 2 to the parameters of the uninterrupted run; the example
-runs. Skipped without torch or transformers (CI installs both)."""
+for HF's garbage collection (and leaves a program's own freeze alone); a checkpoint
+saved at 2 ranks and stage 3 resumes at 1 rank and stage 2 to the parameters of the
+uninterrupted run; the example runs. Skipped without torch or transformers (CI
+installs both)."""
 
 from __future__ import annotations
 
