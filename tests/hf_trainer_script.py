@@ -100,7 +100,19 @@ def max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-12)).item() for n in b)
 
 
-def plain_loop(stage_settings: dict[str, object]) -> tuple[dict, list[float]]:
+#: Other optimizers through ``TrainingArguments.optim``: the trainer's arguments and
+#: the zerompi settings the plain loop uses instead of AdamW's.
+OTHERS = {
+    "sgd": ({"optim": "sgd", "optim_args": "momentum=0.9, nesterov=True"},
+            {"optimizer": "sgd", "momentum": 0.9, "nesterov": True,
+             "decoupled_weight_decay": False}),
+    "lion": ({"optim": "lion_32bit", "learning_rate": 1e-3},
+             {"optimizer": "lion", "lr": 1e-3, "betas": (0.9, 0.99)}),
+}  # fmt: skip
+
+
+def plain_loop(stage_settings: dict[str, object],
+               rule: dict[str, object] | None = None) -> tuple[dict, list[float]]:  # fmt: skip
     """The same training written by hand: rank r's micro-batch k holds samples
     ``[(k*W + r)*B, +B)`` (sequential order, sliced by rank); the loss is the mean
     over the label tokens of the whole global batch (every rank's micro-batches of
@@ -112,9 +124,11 @@ def plain_loop(stage_settings: dict[str, object]) -> tuple[dict, list[float]]:
     no_decay = [n for n in names if n.endswith(".bias") or ".ln_" in n]
     groups = [{"params": [n for n in names if n not in no_decay], "weight_decay": 0.1},
               {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
-    model, opt = shard(model, lr=ADAM["learning_rate"], betas=(0.9, 0.99), eps=1e-3,
-                       weight_decay=0.1, decoupled_weight_decay=True, max_norm=1.0,
-                       param_groups=groups, **stage_settings)  # fmt: skip
+    optimizer = rule or {"lr": ADAM["learning_rate"], "betas": (0.9, 0.99), "eps": 1e-3,
+                         "decoupled_weight_decay": True}  # fmt: skip
+    optimizer = {"lr": ADAM["learning_rate"], **optimizer}
+    model, opt = shard(model, weight_decay=0.1, max_norm=1.0, param_groups=groups,
+                       **optimizer, **stage_settings)  # fmt: skip
     scheduler = get_linear_schedule_with_warmup(opt, 2, 4)
     norms = []
     window = ACCUM * comm.size * BATCH
@@ -216,6 +230,17 @@ def parity(folder: str) -> dict:
             "norms": norms, **saved,
         }  # fmt: skip
     result["single"] = result["stage2"].pop("single")
+    for name, (changes, rule) in OTHERS.items():  # stage 2, another optimizer
+        args = arguments(f"{folder}/{name}", train_sampling_strategy="sequential", **changes)
+        trainer = ZeroMPITrainer(model=new_model(), args=args, train_dataset=Tokens())
+        trainer.train()
+        trained = parameters(trainer.model, trainer.sharded)
+        kind = trainer.sharded.zero.engine.rule.name
+        trainer.close()
+        reference, _ = plain_loop({"stage": 2}, rule)
+        adamw, _ = plain_loop({"stage": 2})
+        result[name] = {"diff": max_relative(trained, reference), "rule": kind,
+                        "vs_adamw": max_relative(trained, adamw)}  # fmt: skip
     result["refused"] = refused(f"{folder}/refused")
     full = checkpointed_run(f"{folder}/run")
     if comm.rank == 0:

@@ -2,7 +2,8 @@
 ``tests/test_lightning.py`` under ``mpiexec``. Prints one ``RESULT {json}`` line on
 rank 0.
 
-``main DIR`` (2 ranks): the strategy's collectives; an SGD optimizer refused; at stage
+``main DIR`` (2 ranks): the strategy's collectives; an RMSprop refused; torch's SGD
+(Nesterov, L2 decay, two groups) mapped onto zerompi's at stage 2; at stage
 2 (``strategy="zerompi"``) and stage 3 (no node copy) a Lightning fit (accumulation 2,
 gradient clipping, two parameter groups, a per-step ``StepLR``) against the same
 model trained by a plain loop through ``zerompi.torch.shard()`` on the same data;
@@ -42,6 +43,7 @@ MODE, OUT = sys.argv[1], Path(sys.argv[2])
 SAMPLES, BATCH, ACCUMULATE, CLIP, EPOCHS = 64, 4, 2, 1.5, 2  # 4 optimizer steps per epoch
 LR, BIAS_LR, BETAS, EPS, DECAY = 1e-2, 5e-3, (0.9, 0.95), 1e-3, 0.1
 GAMMA = 0.5  # StepLR(step_size=2)
+MOMENTUM = 0.9  # SGD's
 
 
 def dataset(count: int, seed: int) -> TensorDataset:
@@ -84,13 +86,17 @@ class MLP(pl.LightningModule):
         self.log("probe_local", rank)
 
     def configure_optimizers(self) -> Any:
-        if self.kind == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.kind == "rmsprop":
+            return torch.optim.RMSprop(self.parameters(), lr=0.1)
         named = dict(self.named_parameters())
         groups = [{"params": [p for n, p in named.items() if n.endswith("weight")]},
                   {"params": [p for n, p in named.items() if n.endswith("bias")],
                    "lr": BIAS_LR, "weight_decay": 0.0}]  # fmt: skip
-        optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+        if self.kind == "sgd":  # (L2 decay, Nesterov momentum)
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(
+                groups, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=DECAY)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=GAMMA)
         schedule = {"scheduler": scheduler, "interval": "step"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}
@@ -118,16 +124,20 @@ def final(trainer: pl.Trainer, module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def direct(stage: int, shared: bool | None, clip: float | None = CLIP,
-           scale: float = 1 / ACCUMULATE) -> dict[str, torch.Tensor]:  # fmt: skip
+           scale: float = 1 / ACCUMULATE,
+           kind: str = "adamw") -> dict[str, torch.Tensor]:  # fmt: skip
     """The same training as :func:`lightning_fit`, by hand through ``shard()``."""
     module = MLP()
     names = [n for n, _ in module.named_parameters()]
     groups = [{"params": [n for n in names if n.endswith("weight")]},
               {"params": [n for n in names if n.endswith("bias")], "lr": BIAS_LR,
                "weight_decay": 0.0}]  # fmt: skip
-    model, optimizer = shard(module, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY,
-                             decoupled_weight_decay=True, max_norm=clip, param_groups=groups,
-                             shared_memory=shared)  # fmt: skip
+    rule: dict[str, Any] = (
+        {"optimizer": "sgd", "momentum": MOMENTUM, "nesterov": True,
+         "decoupled_weight_decay": False} if kind == "sgd"
+        else {"betas": BETAS, "eps": EPS, "decoupled_weight_decay": True})  # fmt: skip
+    model, optimizer = shard(module, stage=stage, lr=LR, weight_decay=DECAY, max_norm=clip,
+                             param_groups=groups, shared_memory=shared, **rule)  # fmt: skip
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=GAMMA)
     # What Lightning puts in: a shuffling DistributedSampler (seed 0), set to each epoch.
     sampler = DistributedSampler(TRAIN, WORLD.size, WORLD.rank, shuffle=True, seed=0)
@@ -183,7 +193,7 @@ def metrics(trainer: pl.Trainer) -> dict[str, float]:
 
 def main() -> dict[str, Any]:
     checks = collectives(ZeroMPIStrategy())
-    result: dict[str, Any] = {"refused_sgd": refused("sgd")}
+    result: dict[str, Any] = {"refused_rmsprop": refused("rmsprop")}
     ckpts = OUT / "ckpts"
     saver = ModelCheckpoint(dirpath=ckpts, filename="{epoch}", save_top_k=-1, every_n_epochs=1,
                             save_on_train_epoch_end=True)  # fmt: skip
@@ -197,6 +207,11 @@ def main() -> dict[str, Any]:
     saved = torch.load(ckpts / "epoch=1.ckpt" / "lightning.ckpt", weights_only=False)
     result["saved_full"] = difference({n: saved["state_dict"][n] for n in reference}, reference)
     result["saved_files"] = sorted(p.name for p in ckpts.iterdir())
+    trainer.strategy.sharded_optimizer.close()
+
+    trainer, module = lightning_fit("zerompi", kind="sgd")
+    result["sgd_stage2"] = difference(final(trainer, module), direct(2, None, kind="sgd"))
+    result["sgd_moved"] = difference(final(trainer, module), direct(2, None))  # not AdamW's
     trainer.strategy.sharded_optimizer.close()
 
     trainer, module = lightning_fit(ZeroMPIStrategy(stage=3, shared_memory=False))

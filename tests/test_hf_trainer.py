@@ -78,6 +78,17 @@ def test_train_freezes_what_lives_before_it_for_the_collector(parity: tuple) -> 
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", ["sgd", "lion"])
+def test_optim_sgd_and_lion_are_zerompi_s(name: str, parity: tuple) -> None:
+    """``optim="sgd"`` (``optim_args`` momentum and nesterov) and ``"lion_32bit"``
+    train as ``shard(optimizer=...)`` with HF's settings does (decay groups, clipping,
+    schedule, accumulation), and not as AdamW would."""
+    result = parity[1][name]
+    assert result["rule"] == name and result["diff"] <= 1e-5, result
+    assert result["vs_adamw"] > 1e-3, result
+
+
+@pytest.mark.timeout(200)
 def test_a_refused_optim_is_an_error_on_every_rank(parity: tuple) -> None:
     errors = parity[1]["refused"]
     assert len(errors) == 2 and all("optim='adafactor' is not supported" in e for e in errors)

@@ -78,9 +78,19 @@ def test_an_optimizer_zerompi_cannot_step_is_refused_on_every_rank(
     main_run: tuple[Path, dict[str, Any]],
 ) -> None:
     _, result = main_run
-    message = result["refused_sgd"]
-    assert message.startswith("TypeError: ") and "torch.optim.SGD" in message, message
+    message = result["refused_rmsprop"]
+    assert message.startswith("TypeError: ") and "torch.optim.RMSprop" in message, message
     assert "on all 2 ranks" in message, message
+
+
+@pytest.mark.timeout(200)
+def test_torch_sgd_is_mapped_onto_zerompi_s_sgd(main_run: tuple[Path, dict[str, Any]]) -> None:
+    """``configure_optimizers`` returning ``torch.optim.SGD`` (Nesterov momentum, L2
+    decay, two groups, a StepLR, clipping, accumulation) trains as
+    ``shard(optimizer="sgd")`` with those settings does, and not as AdamW would."""
+    _, result = main_run
+    assert result["sgd_stage2"] <= TOLERANCE, result
+    assert result["sgd_moved"] > 100 * TOLERANCE, result
 
 
 @pytest.mark.timeout(200)

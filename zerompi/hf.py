@@ -46,7 +46,8 @@ from .mpi.collectives import Comm
 from .torch import ShardedOptimizer, shard
 from .torch._shard import torch_config
 
-__all__ = ["ADAMW_OPTIMS", "ZERO_CHECKPOINT", "ZeroMPITrainer", "install_single_process_state"]
+__all__ = ["ADAMW_OPTIMS", "OPTIMS", "ZERO_CHECKPOINT", "ZeroMPITrainer",
+           "install_single_process_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,13 @@ ZERO_CHECKPOINT = "optimizer.zmpi"
 #: HF's names of the files the scheduler and the torch optimizer's groups go to.
 SCHEDULER_FILE = "scheduler.pt"
 GROUPS_FILE = "optimizer.pt"
-#: ``TrainingArguments.optim`` values zerompi steps (AdamW; the kernel differs only).
+#: ``TrainingArguments.optim`` values zerompi steps as AdamW (the kernel differs only).
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+#: Every ``TrainingArguments.optim`` zerompi steps, and its rule: HF's ``"sgd"`` is
+#: torch's SGD (``optim_args``: momentum, dampening, weight_decay, nesterov), its
+#: ``"lion_32bit"`` bitsandbytes' Lion (betas from ``adam_beta1/2``), which zerompi
+#: runs itself (bitsandbytes is not needed).
+OPTIMS = {**dict.fromkeys(ADAMW_OPTIMS, "adam"), "sgd": "sgd", "lion_32bit": "lion"}
 #: What accelerate reads to decide that this process is one of several.
 LAUNCHER_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "PMI_SIZE",
                       "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # fmt: skip
@@ -141,16 +147,17 @@ def _claim_ranks(rank: int, local: int) -> None:
 
 def _refusals(args: TrainingArguments, keywords: dict[str, Any], config: Any) -> None:
     """Raise on what zerompi does not do (the same on every rank)."""
-    optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in ADAMW_OPTIMS:
+    optim = _optim(args)
+    if optim not in OPTIMS:
         raise ValueError(f"ZeroMPITrainer: optim={optim!r} is not supported: zerompi "
-                         f"steps AdamW itself (accepted: {', '.join(ADAMW_OPTIMS)})")  # fmt: skip
+                         f"steps the optimizer itself (accepted: {', '.join(OPTIMS)})")  # fmt: skip
+    _optim_args(args)  # (malformed: an error here, on every rank)
     if tuple(keywords.get("optimizers") or (None, None)) != (None, None):
         raise ValueError("ZeroMPITrainer: optimizers=(...) is not supported: the optimizer "
                          "is zerompi's, from TrainingArguments, the scheduler HF's")  # fmt: skip
     if keywords.get("optimizer_cls_and_kwargs") is not None:
         raise ValueError("ZeroMPITrainer: optimizer_cls_and_kwargs is not supported (zerompi "
-                         "steps AdamW)")  # fmt: skip
+                         "steps the optimizer TrainingArguments.optim names)")  # fmt: skip
     if args.deepspeed or args.fsdp:
         raise ValueError("ZeroMPITrainer: deepspeed/fsdp are other sharding engines; use "
                          "zero_config/stage instead")  # fmt: skip
@@ -170,15 +177,55 @@ def _base_config(config: ZeroConfig | None, stage: int | None) -> ZeroConfig:
     return torch_config(config, {} if stage is None else {"stage": stage})
 
 
+def _optim(args: TrainingArguments) -> str:
+    return str(getattr(args.optim, "value", args.optim))
+
+
+def _optim_args(args: TrainingArguments) -> dict[str, str]:
+    """``optim_args`` (``"momentum=0.9,nesterov=True"``) as HF reads it."""
+    text = (args.optim_args or "").replace(" ", "")
+    pairs = [item.split("=") for item in text.split(",") if item]
+    bad = [item for item in pairs if len(item) != 2]
+    if bad:
+        raise ValueError(f"ZeroMPITrainer: optim_args={args.optim_args!r} is not a "
+                         "comma-separated list of key=value")  # fmt: skip
+    return dict(pairs)  # type: ignore[arg-type]
+
+
 def adamw_settings(args: TrainingArguments) -> dict[str, Any]:
     """``TrainingArguments``' AdamW as zerompi settings (``adamw_torch``: decoupled
     weight decay; ``max_grad_norm`` <= 0: no clipping)."""
-    norm = args.max_grad_norm
     return {
-        "lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
-        "eps": args.adam_epsilon, "weight_decay": args.weight_decay,
-        "decoupled_weight_decay": True, "max_norm": norm if norm and norm > 0 else None,
+        "optimizer": "adam", "lr": args.learning_rate,
+        "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon,
+        "weight_decay": args.weight_decay, "decoupled_weight_decay": True,
+        "max_norm": _max_norm(args),
     }  # fmt: skip
+
+
+def _max_norm(args: TrainingArguments) -> float | None:
+    norm = args.max_grad_norm
+    return norm if norm and norm > 0 else None
+
+
+def optimizer_settings(args: TrainingArguments) -> dict[str, Any]:
+    """The optimizer ``args.optim`` names as zerompi settings, as HF builds it: AdamW
+    (:func:`adamw_settings`); ``"sgd"``: torch's SGD with ``optim_args``' momentum,
+    dampening and nesterov (its weight decay an L2 term; the decay groups' values
+    are ``args.weight_decay`` and 0, as HF's groups, which override ``optim_args``');
+    ``"lion_32bit"``: Lion with betas ``(adam_beta1, adam_beta2)``, decoupled decay."""
+    rule = OPTIMS[_optim(args)]
+    if rule == "adam":
+        return adamw_settings(args)
+    common = {"optimizer": rule, "lr": args.learning_rate, "weight_decay": args.weight_decay,
+              "max_norm": _max_norm(args)}  # fmt: skip
+    if rule == "lion":
+        return {**common, "betas": (args.adam_beta1, args.adam_beta2)}
+    extra = _optim_args(args)
+    return {**common, "momentum": float(extra.get("momentum", 0.0)),
+            "dampening": float(extra.get("dampening", 0.0)),
+            "nesterov": extra.get("nesterov", "false").lower() in ("true", "1", "yes"),
+            "decoupled_weight_decay": False}  # fmt: skip
 
 
 def decay_groups(
@@ -264,10 +311,11 @@ class ZeroMPITrainer(Trainer):
     comm=None)``: every ``Trainer`` argument as usual, plus zerompi's config (stage,
     precision, shared memory, buckets, ...; default :data:`zerompi.torch.TORCH_DEFAULTS`,
     stage 2), ``stage`` over it, and the mpi4py communicator (default
-    ``COMM_WORLD``). AdamW's settings, the decay groups and ``max_grad_norm`` come
-    from ``args``; ``optim`` other than AdamW, ``optimizers=``, deepspeed, fsdp and
-    fp16 are refused. Build it, train, save and evaluate alike on every rank: an
-    error found at construction or while saving is raised on every rank."""
+    ``COMM_WORLD``). The optimizer (AdamW, SGD or Lion: :data:`OPTIMS`) and its
+    settings, the decay groups and ``max_grad_norm`` come from ``args``; another
+    ``optim``, ``optimizers=``, deepspeed, fsdp and fp16 are refused. Build it,
+    train, save and evaluate alike on every rank: an error found at construction or
+    while saving is raised on every rank."""
 
     def __init__(
         self, model: Any = None, args: TrainingArguments | None = None, *trainer_args: Any,
@@ -297,7 +345,7 @@ class ZeroMPITrainer(Trainer):
     # -- the optimizer ----------------------------------------------------------------
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        """Collective: shard the model (in place) with ``args``' AdamW and HF's decay
+        """Collective: shard the model (in place) with ``args``' optimizer and HF's decay
         groups; the ShardedOptimizer is the trainer's optimizer."""
         if self.optimizer is None:
             target = self.model if model is None else model
@@ -307,7 +355,8 @@ class ZeroMPITrainer(Trainer):
                 self._counted = target.num_parameters(exclude_embeddings=True)
             groups = decay_groups(target, set(self.get_decay_parameter_names(target)),
                                   self.args.weight_decay)  # fmt: skip
-            config = self.zero_config.replace(**adamw_settings(self.args), param_groups=groups)
+            config = self.zero_config.replace(**optimizer_settings(self.args),
+                                              param_groups=groups)  # fmt: skip
             _, self.sharded = shard(target, config, comm=self.comm.mpi)
             self.optimizer = self.sharded
         return self.optimizer

@@ -2,7 +2,7 @@
 
 Under ``mpiexec -n W python train.py`` (or ``srun``) every rank runs the same
 ``Trainer.fit``; the strategy shards the ``LightningModule`` with
-:func:`zerompi.torch.shard` using the AdamW/Adam and LR schedulers that
+:func:`zerompi.torch.shard` using the AdamW/Adam/SGD and LR schedulers that
 ``configure_optimizers`` returns and the Trainer's ``gradient_clip_val``, runs
 Lightning's collectives on zerompi's communicator (no ``torch.distributed``), and
 saves checkpoints that resume at another world size and stage. Importing this module

@@ -2,7 +2,7 @@
 
 One process per rank, started by ``mpiexec``/``srun``: Lightning spawns nothing and
 ``torch.distributed`` is never initialised (no DDP wrapper: zerompi reduces the
-gradients itself). At ``fit`` the strategy reads ``configure_optimizers``' AdamW/Adam
+gradients itself). At ``fit`` the strategy reads ``configure_optimizers``' AdamW/Adam/SGD
 and the Trainer's clipping, calls :func:`zerompi.torch.shard` on the LightningModule
 with those settings (:mod:`._optimizers`), and hands Lightning the
 :class:`zerompi.torch.ShardedOptimizer` and the re-pointed LR schedulers. Lightning's
@@ -40,8 +40,9 @@ from ._optimizers import repoint_schedulers, shard_settings
 
 #: ``shard()`` settings that come from ``configure_optimizers`` and the Trainer, not
 #: from the strategy's keywords.
-FROM_THE_OPTIMIZER = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay",
-                      "param_groups", "max_norm")  # fmt: skip
+FROM_THE_OPTIMIZER = ("optimizer", "lr", "betas", "eps", "momentum", "dampening", "nesterov",
+                      "weight_decay", "decoupled_weight_decay", "param_groups",
+                      "max_norm")  # fmt: skip
 
 
 class ZeroMPIPrecision(Precision):
@@ -74,7 +75,7 @@ class ZeroMPIStrategy(ParallelStrategy):
     ``ZeroMPIStrategy(stage=2)`` or ``Trainer(strategy="zerompi")``; ``config`` (a
     :class:`zerompi.ZeroConfig`) and ``keywords`` are :func:`zerompi.torch.shard`'s
     (``stage``, ``shared_memory``, ``param_dtype``, ``bucket_elems``, ...), except what
-    the optimizer and the Trainer say (:data:`FROM_THE_OPTIMIZER`: Adam's settings and
+    the optimizer and the Trainer say (:data:`FROM_THE_OPTIMIZER`: the optimizer's settings and
     groups from ``configure_optimizers``, ``max_norm`` from ``gradient_clip_val``).
     ``comm``: an mpi4py intracommunicator (default ``COMM_WORLD``). Collective to
     build: construct it on every rank."""
