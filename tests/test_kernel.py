@@ -378,3 +378,77 @@ def test_sum_parts_refuses_bad_arrays():
         adam._kernels.sum_parts(a, [], False, True)
     with pytest.raises(TypeError, match="out must be a writable"):
         adam._kernels.sum_parts(a[::2], [a[:4]], False, True)
+
+
+# -- SGD's and Lion's compiled loops ----------------------------------------------------
+
+RULE_CASES = [  # (rule name, its config's settings)
+    ("sgd", {}),
+    ("sgd", {"momentum": 0.9, "weight_decay": 0.01}),
+    ("sgd", {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1, "decoupled": True}),
+    ("sgd", {"momentum": 0.5, "dampening": 0.3}),
+    ("lion", {}),
+    ("lion", {"beta1": 0.95, "beta2": 0.98, "weight_decay": 0.1}),
+]
+
+
+def _rule_step(name: str, settings: dict, kernel: str, variant: str | None, dtype: type,
+               n: int, step: int, divisor: float, low: bool = False) -> list[np.ndarray]:  # fmt: skip
+    """One update of a fresh ``name`` rule with ``kernel``: param, state (and the
+    bfloat16 copy), from the same arrays (NaN and infinity among the gradients)."""
+    from zerompi.rules.lion import Lion, LionConfig
+    from zerompi.rules.sgd import SGD, SGDConfig
+
+    rule = SGD() if name == "sgd" else Lion()
+    rule.kernel, rule.variant = kernel, variant
+    config = (SGDConfig if name == "sgd" else LionConfig)(lr=0.1, **settings)
+    p, g, state, _ = _arrays(n, dtype, seed=n + step)
+    if n > 3:
+        g[1], g[2], state[3] = np.nan, np.inf, -0.0
+    scratch = np.empty(64 * rule.scratch_blocks, dtype)  # blocks with tails
+    copy = np.zeros(n, np.uint16) if low else None
+    if copy is not None:
+        from zerompi.precision import bfloat16
+
+        copy = copy.view(bfloat16())
+    rule.update(p, g, [state], step, config, scratch, divisor, copy, None)
+    return [p, state] + ([copy.view(np.uint16)] if copy is not None else [])
+
+
+@needs_c
+@variants
+@pytest.mark.parametrize(("name", "settings"), RULE_CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [0, 1, 17, 1000])
+@pytest.mark.parametrize(("step", "divisor"), [(1, 1.0), (3, 6.0)])
+def test_sgd_and_lion_c_match_numpy_bitwise(variant, name, settings, dtype, n, step, divisor):
+    """Every compiled variant of SGD's and Lion's loops gives the numpy loop's bits
+    (parameters and state; NaN and infinity among the gradients)."""
+    chosen = _variant(variant)
+    want = _rule_step(name, settings, "numpy", None, dtype, n, step, divisor)
+    got = _rule_step(name, settings, "c", chosen, dtype, n, step, divisor)
+    for a, b in zip(got, want, strict=True):
+        assert a.tobytes() == b.tobytes(), (name, settings)
+
+
+@needs_c
+@pytest.mark.parametrize("name", ["sgd", "lion"])
+def test_sgd_and_lion_c_write_the_bfloat16_copy(name):
+    """With a bfloat16 copy to write, the compiled path (block by block) gives the
+    numpy path's copy and parameters."""
+    want = _rule_step(name, {"weight_decay": 0.1}, "numpy", None, np.float32, 1000, 2, 2.0, True)
+    got = _rule_step(name, {"weight_decay": 0.1}, "c", None, np.float32, 1000, 2, 2.0, True)
+    for a, b in zip(got, want, strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+@needs_c
+def test_sgd_and_lion_c_refuse_bad_arrays():
+    """Mismatched dtypes or lengths are errors naming the array, not wrong memory."""
+    p = np.zeros(4, np.float32)
+    with pytest.raises(TypeError, match="momentum_buffer has format"):
+        adam._kernels.sgd(p, p.copy(), np.zeros(4), 0.1, 0.9, 0.0, False, 0.0, False, True, 1.0)
+    with pytest.raises(ValueError, match="exp_avg has 12 bytes, param 16"):
+        adam._kernels.lion(p, p.copy(), np.zeros(3, np.float32), 0.1, 0.9, 0.99, 0.0, 1.0)
+    with pytest.raises(TypeError, match="param must be a writable"):
+        adam._kernels.lion(b"abcd", p, p.copy(), 0.1, 0.9, 0.99, 0.0, 1.0)

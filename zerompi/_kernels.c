@@ -64,6 +64,58 @@ static int variant_auto = V_BASELINE;     /* the best supported: normal calls */
         }                                                                              \
     }
 
+/* SGD (torch's, zerompi.rules.sgd): the operations of the numpy rule in its order, so
+ * the results are the same bits (no FMA: -ffp-contract=off). first: the step that
+ * starts the momentum buffer (b = g). */
+#define SGD_LOOP(NAME, ATTR, T)                                                        \
+    ATTR static void NAME(T *restrict p, const T *restrict g, T *restrict b,             \
+                          Py_ssize_t n, double lr_, double mom_, double damp_,         \
+                          int nesterov, double wd_, int decoupled, int first,          \
+                          double div_) {                                               \
+        const T lr = (T)lr_, mom = (T)mom_, omd = (T)(1.0 - damp_), wd = (T)wd_;       \
+        const T lrwd = (T)(lr_ * wd_), div = (T)div_;                                  \
+        const int divide = div_ != 1.0, l2 = wd_ != 0.0 && !decoupled,                 \
+                  dec = wd_ != 0.0 && decoupled, heavy = mom_ != 0.0,                  \
+                  damp = damp_ != 0.0;                                                 \
+        for (Py_ssize_t i = 0; i < n; i++) {                                           \
+            T gi = g[i];                                                               \
+            const T pi = p[i];                                                         \
+            if (divide) gi = gi / div;                                                 \
+            if (l2) gi = gi + pi * wd;                                                 \
+            T s = gi;                                                                  \
+            if (heavy) {                                                               \
+                T bi = gi;                                                             \
+                if (!first) bi = damp ? b[i] * mom + gi * omd : b[i] * mom + gi;       \
+                b[i] = bi;                                                             \
+                s = nesterov ? gi + bi * mom : bi;                                     \
+            }                                                                          \
+            T q = pi;                                                                  \
+            if (dec) q = pi - pi * lrwd;                                               \
+            p[i] = q - s * lr;                                                         \
+        }                                                                              \
+    }
+
+/* Lion (Chen et al. 2023, zerompi.rules.lion), the numpy rule's operations in its
+ * order: sign(c) as (c > 0) - (c < 0) (0 for a NaN, as there). */
+#define LION_LOOP(NAME, ATTR, T)                                                       \
+    ATTR static void NAME(T *restrict p, const T *restrict g, T *restrict m,             \
+                          Py_ssize_t n, double lr_, double b1_, double b2_,            \
+                          double wd_, double div_) {                                   \
+        const T lr = (T)lr_, b1 = (T)b1_, omb1 = (T)(1.0 - b1_), b2 = (T)b2_;          \
+        const T omb2 = (T)(1.0 - b2_), wd = (T)wd_, div = (T)div_;                     \
+        const int divide = div_ != 1.0, decay = wd_ != 0.0;                            \
+        for (Py_ssize_t i = 0; i < n; i++) {                                           \
+            T gi = g[i];                                                               \
+            if (divide) gi = gi / div;                                                 \
+            const T mi = m[i], pi = p[i];                                              \
+            const T ci = mi * b1 + gi * omb1;                                          \
+            T u = (T)((ci > (T)0) - (ci < (T)0));                                      \
+            if (decay) u = u + pi * wd;                                                \
+            p[i] = pi - u * lr;                                                        \
+            m[i] = mi * b2 + gi * omb2;                                                \
+        }                                                                              \
+    }
+
 /* Rounding to the 16-bit floats, round to nearest even, bit-identical to numpy's
  * float16 cast and ml_dtypes' bfloat16 cast for every non-NaN value (a NaN becomes
  * the quiet NaN of its sign). A double is first rounded to float with round-to-odd,
@@ -245,6 +297,14 @@ typedef void (*adam_f32_fn)(float *restrict, const float *restrict, float *restr
 typedef void (*adam_f64_fn)(double *restrict, const double *restrict, double *restrict,
                             double *restrict, Py_ssize_t, double, double, double, double,
                             double, int, double, double, double);
+typedef void (*sgd_f32_fn)(float *restrict, const float *restrict, float *restrict,
+                           Py_ssize_t, double, double, double, int, double, int, int, double);
+typedef void (*sgd_f64_fn)(double *restrict, const double *restrict, double *restrict,
+                           Py_ssize_t, double, double, double, int, double, int, int, double);
+typedef void (*lion_f32_fn)(float *restrict, const float *restrict, float *restrict,
+                            Py_ssize_t, double, double, double, double, double);
+typedef void (*lion_f64_fn)(double *restrict, const double *restrict, double *restrict,
+                            Py_ssize_t, double, double, double, double, double);
 typedef void (*round_sr_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize_t,
                                 uint32_t, uint32_t);
 typedef void (*round_sr_f64_fn)(const double *restrict, uint16_t *restrict, Py_ssize_t,
@@ -264,6 +324,10 @@ typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int,
 #define VARIANT_LOOPS(SUFFIX, ATTR)                                            \
     ADAM_LOOP(adam_float_##SUFFIX, ATTR, float, sqrtf)                        \
     ADAM_LOOP(adam_double_##SUFFIX, ATTR, double, sqrt)                       \
+    SGD_LOOP(sgd_float_##SUFFIX, ATTR, float)                                 \
+    SGD_LOOP(sgd_double_##SUFFIX, ATTR, double)                               \
+    LION_LOOP(lion_float_##SUFFIX, ATTR, float)                               \
+    LION_LOOP(lion_double_##SUFFIX, ATTR, double)                             \
     ROUND_LOOP(round_float_bf16_##SUFFIX, ATTR, float, f32_to_bf16)           \
     ROUND_LOOP(round_float_f16_##SUFFIX, ATTR, float, f32_to_f16)             \
     ROUND_LOOP(round_double_bf16_##SUFFIX, ATTR, double, f64_to_bf16)         \
@@ -289,6 +353,10 @@ VARIANT_LOOPS(baseline, )
 
 static adam_f32_fn adam_float_v[N_VARIANTS];
 static adam_f64_fn adam_double_v[N_VARIANTS];
+static sgd_f32_fn sgd_float_v[N_VARIANTS];
+static sgd_f64_fn sgd_double_v[N_VARIANTS];
+static lion_f32_fn lion_float_v[N_VARIANTS];
+static lion_f64_fn lion_double_v[N_VARIANTS];
 static stats_f32_fn stats_float_v[N_VARIANTS];
 static stats_f64_fn stats_double_v[N_VARIANTS];
 static sum_f32_fn sum_float_v[N_VARIANTS];
@@ -305,6 +373,10 @@ static round_f64_fn round_double_v[N_VARIANTS][2];
     do {                                                      \
         adam_float_v[V] = adam_float_##SUFFIX;                \
         adam_double_v[V] = adam_double_##SUFFIX;              \
+        sgd_float_v[V] = sgd_float_##SUFFIX;                  \
+        sgd_double_v[V] = sgd_double_##SUFFIX;                \
+        lion_float_v[V] = lion_float_##SUFFIX;                \
+        lion_double_v[V] = lion_double_##SUFFIX;              \
         round_sr_float_v[V] = round_sr_float_##SUFFIX;        \
         round_sr_double_v[V] = round_sr_double_##SUFFIX;      \
         acc_float_v[V][0] = acc_float_bf16_##SUFFIX;          \
@@ -592,6 +664,112 @@ done:
     return result;
 }
 
+/* Three same-kind, same-length vectors (param, grad, one state; grad read-only) into
+ * views; their kind ('f'/'d'), or 0 with an exception and nothing held. */
+static char
+get_three(PyObject *const objs[3], Py_buffer views[3], const char *const names[3])
+{
+    int got = 0;
+    for (; got < 3; got++)
+        if (get_vector(objs[got], &views[got], got != 1, names[got]) < 0) goto fail;
+    const char kind = element_kind(&views[0]);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "param must be float32 or float64, got format '%s'",
+                     views[0].format);
+        goto fail;
+    }
+    for (int i = 1; i < 3; i++) {
+        if (element_kind(&views[i]) != kind) {
+            PyErr_Format(PyExc_TypeError, "%s has format '%s', param '%s'", names[i],
+                         views[i].format, views[0].format);
+            goto fail;
+        }
+        if (views[i].len != views[0].len) {
+            PyErr_Format(PyExc_ValueError, "%s has %zd bytes, param %zd", names[i],
+                         views[i].len, views[0].len);
+            goto fail;
+        }
+    }
+    return kind;
+fail:
+    while (got-- > 0) PyBuffer_Release(&views[got]);
+    return 0;
+}
+
+PyDoc_STRVAR(sgd_doc,
+"sgd(param, grad, momentum_buffer, lr, momentum, dampening, nesterov, weight_decay,\n"
+"    decoupled, first, divisor, *, variant=None)\n\n"
+"One SGD step in place over contiguous float32/float64 arrays of one length, the\n"
+"same bits as zerompi.rules.sgd's numpy update (first: the step that starts the\n"
+"momentum buffer). grad is only read.");
+
+static PyObject *
+sgd(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"param", "grad", "momentum_buffer", "lr", "momentum",
+                             "dampening", "nesterov", "weight_decay", "decoupled", "first",
+                             "divisor", "variant", NULL};
+    PyObject *objs[3];
+    double lr, mom, damp, wd, div;
+    int nesterov, decoupled, first;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOdddpdppd|$z", kwlist, &objs[0],
+                                     &objs[1], &objs[2], &lr, &mom, &damp, &nesterov, &wd,
+                                     &decoupled, &first, &div, &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
+    static const char *const names[3] = {"param", "grad", "momentum_buffer"};
+    Py_buffer views[3];
+    const char kind = get_three(objs, views, names);
+    if (!kind) return NULL;
+    const Py_ssize_t n = views[0].len / views[0].itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    if (kind == 'f')
+        sgd_float_v[variant](views[0].buf, views[1].buf, views[2].buf, n, lr, mom, damp,
+                             nesterov, wd, decoupled, first, div);
+    else
+        sgd_double_v[variant](views[0].buf, views[1].buf, views[2].buf, n, lr, mom, damp,
+                              nesterov, wd, decoupled, first, div);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 3; i++) PyBuffer_Release(&views[i]);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(lion_doc,
+"lion(param, grad, exp_avg, lr, beta1, beta2, weight_decay, divisor, *, variant=None)\n\n"
+"One Lion step in place over contiguous float32/float64 arrays of one length, the\n"
+"same bits as zerompi.rules.lion's numpy update. grad is only read.");
+
+static PyObject *
+lion(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"param", "grad", "exp_avg", "lr", "beta1", "beta2",
+                             "weight_decay", "divisor", "variant", NULL};
+    PyObject *objs[3];
+    double lr, b1, b2, wd, div;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOddddd|$z", kwlist, &objs[0], &objs[1],
+                                     &objs[2], &lr, &b1, &b2, &wd, &div, &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
+    static const char *const names[3] = {"param", "grad", "exp_avg"};
+    Py_buffer views[3];
+    const char kind = get_three(objs, views, names);
+    if (!kind) return NULL;
+    const Py_ssize_t n = views[0].len / views[0].itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    if (kind == 'f')
+        lion_float_v[variant](views[0].buf, views[1].buf, views[2].buf, n, lr, b1, b2, wd, div);
+    else
+        lion_double_v[variant](views[0].buf, views[1].buf, views[2].buf, n, lr, b1, b2, wd,
+                               div);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 3; i++) PyBuffer_Release(&views[i]);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(round_low_doc,
 "round_low(src, low, low_kind, *, variant=None)\n\n"
 "Write the contiguous float32/float64 array src, rounded to nearest even to\n"
@@ -820,6 +998,8 @@ compiled(PyObject *self, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"adam", (PyCFunction)(void (*)(void))adam, METH_VARARGS | METH_KEYWORDS, adam_doc},
+    {"sgd", (PyCFunction)(void (*)(void))sgd, METH_VARARGS | METH_KEYWORDS, sgd_doc},
+    {"lion", (PyCFunction)(void (*)(void))lion, METH_VARARGS | METH_KEYWORDS, lion_doc},
     {"grad_stats", (PyCFunction)(void (*)(void))grad_stats, METH_VARARGS | METH_KEYWORDS,
      grad_stats_doc},
     {"round_low", (PyCFunction)(void (*)(void))round_low, METH_VARARGS | METH_KEYWORDS,

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .. import adam as _adam
 from ..adam import stochastic_round
 from ..buffers import StateKind
 
@@ -28,6 +29,12 @@ class Rule(ABC):
     reads: ClassVar[tuple[str, ...]]
     #: Scratch blocks the update needs (each ``len(scratch) // scratch_blocks``).
     scratch_blocks: ClassVar[int] = 1
+    #: Where a rule has a compiled loop (:func:`compiled`): ``"c"`` or ``"numpy"``
+    #: (``None``: :data:`zerompi.adam.KERNEL`) and the C variant (``None``:
+    #: :data:`zerompi.adam.VARIANT`, else the best). Tests set them on an instance of
+    #: their own: the registered rules are shared.
+    kernel: str | None = None
+    variant: str | None = None
 
     @abstractmethod
     def base(self, config: Any) -> Any:
@@ -96,6 +103,26 @@ def blocks(n: int, size: int) -> Iterator[tuple[int, int]]:
     the pieces a numpy update works on while they stay in cache."""
     for lo in range(0, n, size):
         yield lo, min(lo + size, n)
+
+
+def kernels() -> Any:
+    """The compiled extension (:func:`compiled` said it is there)."""
+    return _adam._kernels
+
+
+def compiled(kernel: str | None, variant: str | None, *arrays: np.ndarray) -> str | None:
+    """The C variant to run a rule's update on ``arrays`` with (``""``: the best this
+    CPU runs), or ``None`` for the numpy loop: the compiled kernels are in use
+    (``kernel``, default :data:`zerompi.adam.KERNEL`) and the arrays contiguous
+    float32/float64 of one dtype."""
+    if (kernel or _adam.KERNEL) != "c" or _adam._kernels is None:
+        return None
+    dtype = arrays[0].dtype
+    if dtype not in (np.float32, np.float64):
+        return None
+    if not all(a.flags.c_contiguous and a.dtype == dtype for a in arrays):
+        return None
+    return variant or _adam.VARIANT or ""
 
 
 def write_low(

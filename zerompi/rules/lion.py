@@ -22,7 +22,8 @@ import numpy as np
 from ..adam import finite_real
 from ..buffers import StateKind
 from .adam import betas_of
-from .base import Rule, blocks, write_low
+from .base import Rule, blocks, compiled, write_low
+from .base import kernels as _kernels
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,15 @@ class Lion(Rule):
     ) -> None:  # fmt: skip
         c = config
         (exp_avg,) = states
+        variant = compiled(self.kernel, self.variant, param, grad, exp_avg)
+        if variant is not None:  # the fused C loop, the same bits; blocks for the copy
+            size = scratch.shape[0] if low is not None else max(param.shape[0], 1)
+            for lo, hi in blocks(param.shape[0], size):
+                _kernels().lion(param[lo:hi], grad[lo:hi], exp_avg[lo:hi], c.lr, c.beta1,
+                                c.beta2, c.weight_decay, float(divisor),
+                                variant=variant or None)  # fmt: skip
+                write_low(param[lo:hi], None if low is None else low[lo:hi], stochastic, lo)
+            return
         block = max(scratch.shape[0] // 2, 1)
         for lo, hi in blocks(param.shape[0], block):
             p, g, m = param[lo:hi], grad[lo:hi], exp_avg[lo:hi]

@@ -22,7 +22,8 @@ import numpy as np
 
 from ..adam import finite_real
 from ..buffers import StateKind
-from .base import Rule, blocks, write_low
+from .base import Rule, blocks, compiled, write_low
+from .base import kernels as _kernels
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,15 @@ class SGD(Rule):
     ) -> None:  # fmt: skip
         c = config
         (buf,) = states
+        variant = compiled(self.kernel, self.variant, param, grad, buf)
+        if variant is not None:  # the fused C loop, the same bits; blocks for the copy
+            size = scratch.shape[0] if low is not None else max(param.shape[0], 1)
+            for lo, hi in blocks(param.shape[0], size):
+                _kernels().sgd(param[lo:hi], grad[lo:hi], buf[lo:hi], c.lr, c.momentum,
+                               c.dampening, c.nesterov, c.weight_decay, c.decoupled,
+                               step == 1, float(divisor), variant=variant or None)  # fmt: skip
+                write_low(param[lo:hi], None if low is None else low[lo:hi], stochastic, lo)
+            return
         for lo, hi in blocks(param.shape[0], scratch.shape[0]):
             p, g, b, t = param[lo:hi], grad[lo:hi], buf[lo:hi], scratch[: hi - lo]
             if divisor != 1.0:
