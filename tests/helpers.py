@@ -4,6 +4,7 @@ optimizer against the unsharded reference (below)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -14,6 +15,19 @@ from zerompi import ZeroOptimizer
 from zerompi.reference import ReferenceAdam
 
 WORLD = MPI.COMM_WORLD
+
+#: A prefix for a job command that must not outlive the test process: the command is
+#: exec'd with Linux's parent-death signal set (SIGKILL when the test process ends).
+#: pytest-timeout's thread method ends a test that runs over its limit with
+#: ``os._exit``, where no ``except``/``finally`` kills a job still running: without
+#: this, an ``mpiexec`` and its ranks were left spinning (a README quick-start job,
+#: started on a loaded machine, still ran minutes after its test process was gone,
+#: and slowed every job after it). Elsewhere than Linux: no prefix.
+DIES_WITH_TEST = (
+    [sys.executable, "-c", "import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9); "
+     "os.execvp(sys.argv[1], sys.argv[1:])"]
+    if sys.platform.startswith("linux") else []
+)  # fmt: skip
 
 
 class CollectiveAssertionError(AssertionError):

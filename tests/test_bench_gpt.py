@@ -58,6 +58,7 @@ def test_tiny_run_has_a_row_per_setup(tmp_path: Path) -> None:
     assert "| params | setup | step ms |" in proc.stdout
 
 
+@pytest.mark.timeout(260)  # (the command's own limit, 200 s, ends it first)
 def test_a_transformers_llama_runs_in_the_same_bench(tmp_path: Path) -> None:
     """``--arch llama``: a model zerompi did not write, under stage 3 without shared
     memory (module gathers, prefetch), DDP and FSDP2 (its decoder layers sharded):

@@ -146,6 +146,7 @@ QUICK_STARTS = {"numpy": "A numpy model", "torch": "A PyTorch model"}
 
 
 @pytest.mark.mpi_skip
+@pytest.mark.timeout(180)  # (the job's own limit, 120 s, ends it first and says so)
 @pytest.mark.parametrize("kind", sorted(QUICK_STARTS))
 def test_the_readme_quick_start_runs_and_its_loss_falls(kind: str, tmp_path: Path) -> None:
     if kind == "torch":

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import WORLD, assert_all
+from helpers import DIES_WITH_TEST, WORLD, assert_all
 from test_harness import mpiexec
 
 import zerompi
@@ -31,7 +31,7 @@ ROOT = Path(__file__).parent.parent
 
 def run_driver(ranks: int, tmp_path: Path, *args: str) -> tuple[dict, str]:
     out = tmp_path / f"driver-{ranks}.json"
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "zerompi.driver"]
+    cmd = [*DIES_WITH_TEST, mpiexec(), "-n", str(ranks), sys.executable, "-m", "zerompi.driver"]
     # One BLAS thread: at one rank OpenBLAS would otherwise spin a thread per core,
     # which on a busy (CI, shared) machine makes the tiny matmuls ~50x slower.
     cmd += ["--json", str(out), "--blas-threads", "1", *args]

@@ -356,6 +356,7 @@ def test_a_rank_lost_while_a_checkpoint_is_written_again_is_survived(tmp_path: P
 
 @pytest.mark.mpi_skip
 @ulfm_only
+@pytest.mark.timeout(180)  # (the job's own limit, 120 s, ends it first)
 def test_recovery_equals_a_resume_at_the_smaller_world(tmp_path: Path) -> None:
     """A run that loses a rank after batch 12 (snapshot 10) ends where a run that saved
     at batch 10 and resumed at world size 3 ends, bit for bit: parameters and Adam
@@ -387,6 +388,7 @@ def test_recovery_equals_a_resume_at_the_smaller_world(tmp_path: Path) -> None:
 
 @pytest.mark.mpi_skip
 @ulfm_only
+@pytest.mark.timeout(180)  # (the job's own limit, 120 s, ends it first)
 def test_elastic_without_the_launchers_fault_tolerance_is_refused(tmp_path: Path) -> None:
     proc = subprocess.run(
         [mpiexec(), "--oversubscribe", "-n", "2", sys.executable, "-m", "zerompi.driver",

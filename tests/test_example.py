@@ -26,6 +26,7 @@ def test_the_docs_show_the_example() -> None:
 
 
 @pytest.mark.mpi_skip
+@pytest.mark.timeout(180)  # (the job's own limit, 120 s, ends it first and says so)
 def test_the_example_runs_and_its_loss_falls() -> None:
     status, out, _ = run([mpiexec(), "-n", "2", sys.executable, str(EXAMPLE)], timeout=120)
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]

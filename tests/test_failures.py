@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from helpers import DIES_WITH_TEST
 from test_harness import mpiexec
 
 from zerompi.mpi import launch as zcomm
@@ -38,7 +39,7 @@ def run(cmd: list[str], timeout: float = TIMEOUT, **env: str) -> tuple[int, str,
     environ = {k: v for k, v in os.environ.items() if k != "ZEROMPI_NO_ABORT_HOOK"}
     environ.update(env)
     proc = subprocess.Popen(
-        cmd,
+        [*DIES_WITH_TEST, *cmd],  # (gone with this process, even by pytest-timeout's exit)
         cwd=HERE.parent,
         env=environ,
         stdout=subprocess.PIPE,

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import DIES_WITH_TEST
 
 HERE = Path(__file__).parent
 
@@ -32,7 +33,8 @@ def mpiexec() -> str:
 
 def run_selfcheck(mode: str, ranks: int, *extra: str) -> tuple[int, str, float]:
     env = dict(os.environ, ZEROMPI_SELFCHECK=mode)
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    cmd = [*DIES_WITH_TEST, mpiexec(), "-n", str(ranks), sys.executable, "-m", "pytest",
+           "-p", "no:cacheprovider"]  # fmt: skip
     cmd += ["--with-mpi", "-q", *extra, str(HERE / "selfcheck_harness.py")]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, cwd=HERE.parent, capture_output=True, text=True,

@@ -392,8 +392,10 @@ RULE_CASES = [  # (rule name, its config's settings)
 ]
 
 
-def _rule_step(name: str, settings: dict, kernel: str, variant: str | None, dtype: type,
-               n: int, step: int, divisor: float, low: bool = False) -> list[np.ndarray]:  # fmt: skip
+def _rule_step(
+    name: str, settings: dict, kernel: str, variant: str | None, dtype: type, n: int,
+    step: int, divisor: float, low: bool = False,
+) -> list[np.ndarray]:  # fmt: skip
     """One update of a fresh ``name`` rule with ``kernel``: param, state (and the
     bfloat16 copy), from the same arrays (NaN and infinity among the gradients)."""
     from zerompi.rules.lion import Lion, LionConfig
@@ -436,8 +438,9 @@ def test_sgd_and_lion_c_match_numpy_bitwise(variant, name, settings, dtype, n, s
 def test_sgd_and_lion_c_write_the_bfloat16_copy(name):
     """With a bfloat16 copy to write, the compiled path (block by block) gives the
     numpy path's copy and parameters."""
-    want = _rule_step(name, {"weight_decay": 0.1}, "numpy", None, np.float32, 1000, 2, 2.0, True)
-    got = _rule_step(name, {"weight_decay": 0.1}, "c", None, np.float32, 1000, 2, 2.0, True)
+    decay = {"weight_decay": 0.1}
+    want = _rule_step(name, decay, "numpy", None, np.float32, 1000, 2, 2.0, True)
+    got = _rule_step(name, decay, "c", None, np.float32, 1000, 2, 2.0, True)
     for a, b in zip(got, want, strict=True):
         assert a.tobytes() == b.tobytes()
 
