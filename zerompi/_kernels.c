@@ -65,35 +65,63 @@ static int variant_auto = V_BASELINE;     /* the best supported: normal calls */
     }
 
 /* SGD (torch's, zerompi.rules.sgd): the operations of the numpy rule in its order, so
- * the results are the same bits (no FMA: -ffp-contract=off). first: the step that
- * starts the momentum buffer (b = g). */
+ * the results are the same bits (no FMA: -ffp-contract=off). The weight-decay mode
+ * (WD: 0 none, 1 L2, 2 decoupled) and the momentum mode (MM: 0 none, 1 heavy ball,
+ * 2 with dampening, 3 Nesterov, 4 the first step's heavy ball b = g, 5 the first
+ * step's Nesterov) are constants of each inlined copy of the body, so every copy is
+ * one branch-free vector loop; a division by the divisor only where it is not 1. */
 #define SGD_LOOP(NAME, ATTR, T)                                                        \
+    ATTR static inline __attribute__((always_inline)) void NAME##_body(                \
+        T *restrict p, const T *restrict g, T *restrict b, Py_ssize_t n, T lr, T mom,  \
+        T omd, T wd, T lrwd, T div, int divide, const int WD, const int MM) {          \
+        for (Py_ssize_t i = 0; i < n; i++) {                                           \
+            T gi = g[i];                                                               \
+            const T pi = p[i];                                                         \
+            if (divide) gi = gi / div;                                                 \
+            if (WD == 1) gi = gi + pi * wd;                                            \
+            T s = gi;                                                                  \
+            if (MM == 1 || MM == 3) {                                                  \
+                const T bi = b[i] * mom + gi;                                          \
+                b[i] = bi;                                                             \
+                s = MM == 3 ? gi + bi * mom : bi;                                      \
+            } else if (MM == 2) {                                                      \
+                const T bi = b[i] * mom + gi * omd;                                    \
+                b[i] = bi;                                                             \
+                s = bi;                                                                \
+            } else if (MM == 4 || MM == 5) {                                           \
+                b[i] = gi;                                                             \
+                s = MM == 5 ? gi + gi * mom : gi;                                      \
+            }                                                                          \
+            const T q = WD == 2 ? pi - pi * lrwd : pi;                                 \
+            p[i] = q - s * lr;                                                         \
+        }                                                                              \
+    }                                                                                  \
     ATTR static void NAME(T *restrict p, const T *restrict g, T *restrict b,             \
                           Py_ssize_t n, double lr_, double mom_, double damp_,         \
                           int nesterov, double wd_, int decoupled, int first,          \
                           double div_) {                                               \
         const T lr = (T)lr_, mom = (T)mom_, omd = (T)(1.0 - damp_), wd = (T)wd_;       \
         const T lrwd = (T)(lr_ * wd_), div = (T)div_;                                  \
-        const int divide = div_ != 1.0, l2 = wd_ != 0.0 && !decoupled,                 \
-                  dec = wd_ != 0.0 && decoupled, heavy = mom_ != 0.0,                  \
-                  damp = damp_ != 0.0;                                                 \
-        for (Py_ssize_t i = 0; i < n; i++) {                                           \
-            T gi = g[i];                                                               \
-            const T pi = p[i];                                                         \
-            if (divide) gi = gi / div;                                                 \
-            if (l2) gi = gi + pi * wd;                                                 \
-            T s = gi;                                                                  \
-            if (heavy) {                                                               \
-                T bi = gi;                                                             \
-                if (!first) bi = damp ? b[i] * mom + gi * omd : b[i] * mom + gi;       \
-                b[i] = bi;                                                             \
-                s = nesterov ? gi + bi * mom : bi;                                     \
-            }                                                                          \
-            T q = pi;                                                                  \
-            if (dec) q = pi - pi * lrwd;                                               \
-            p[i] = q - s * lr;                                                         \
+        const int divide = div_ != 1.0;                                                \
+        const int wdm = wd_ == 0.0 ? 0 : decoupled ? 2 : 1;                            \
+        const int mm = mom_ == 0.0 ? 0                                                 \
+                       : first     ? (nesterov ? 5 : 4)                                \
+                       : nesterov  ? 3                                                 \
+                       : damp_ != 0.0 ? 2 : 1;                                         \
+        switch (wdm * 6 + mm) {                                                        \
+        SGD_CASES(NAME, 0) SGD_CASES(NAME, 1) SGD_CASES(NAME, 2)                       \
         }                                                                              \
     }
+
+#define SGD_CALL(NAME, W, M) \
+    NAME##_body(p, g, b, n, lr, mom, omd, wd, lrwd, div, divide, W, M)
+#define SGD_CASES(NAME, W)                                                 \
+    case W * 6 + 0: SGD_CALL(NAME, W, 0); break;                           \
+    case W * 6 + 1: SGD_CALL(NAME, W, 1); break;                           \
+    case W * 6 + 2: SGD_CALL(NAME, W, 2); break;                           \
+    case W * 6 + 3: SGD_CALL(NAME, W, 3); break;                           \
+    case W * 6 + 4: SGD_CALL(NAME, W, 4); break;                           \
+    case W * 6 + 5: SGD_CALL(NAME, W, 5); break;
 
 /* Lion (Chen et al. 2023, zerompi.rules.lion), the numpy rule's operations in its
  * order: sign(c) as (c > 0) - (c < 0) (0 for a NaN, as there). */
