@@ -150,6 +150,46 @@ def test_the_estimate_counts_three_snapshot_buffers(stage: int) -> None:
         assert elastic["total_bytes"] - plain["total_bytes"] == extra
 
 
+class _Stand:
+    """A communicator's stand-in for :func:`zerompi.mpi.ulfm.failure_known`: ULFM's
+    two local questions, answered as told."""
+
+    def __init__(self, revoked: bool, failed: int, has_ulfm: bool = True) -> None:
+        class Mpi:
+            def __eq__(self, other: object) -> bool:
+                return False
+
+            def Is_revoked(self) -> bool:
+                return revoked
+
+            def Get_failed(self) -> MPI.Group:
+                if not failed:
+                    return MPI.GROUP_EMPTY  # (as ULFM answers: the predefined group)
+                return MPI.COMM_WORLD.Get_group().Range_incl([(0, failed - 1, 1)])
+
+        self.mpi = Mpi()
+        if not has_ulfm:
+            self.mpi = type("NoUlfm", (), {"__eq__": lambda s, o: False})()
+
+
+def test_mpi_err_other_is_a_failure_only_where_ulfm_knows_of_one() -> None:
+    """Open MPI's nonblocking collectives report a failed peer as MPI_ERR_OTHER: a
+    failure when the communicator is revoked or has a known failed process, not
+    otherwise (a real MPI_ERR_OTHER is raised as it is); the failure classes always;
+    anything but an MPI error never. Local: no communication."""
+    from zerompi.mpi.ulfm import is_failure
+
+    other = MPI.Exception(MPI.ERR_OTHER)
+    assert not is_failure(other)
+    assert not is_failure(other, [_Stand(revoked=False, failed=0)])
+    assert is_failure(other, [_Stand(revoked=True, failed=0)])
+    assert is_failure(other, [_Stand(revoked=False, failed=1)])
+    assert not is_failure(other, [_Stand(revoked=True, failed=1, has_ulfm=False)])
+    assert is_failure(MPI.Exception(MPI.ERR_IN_STATUS))
+    assert not is_failure(MPI.Exception(MPI.ERR_TRUNCATE), [_Stand(revoked=True, failed=1)])
+    assert not is_failure(RuntimeError("MPI_ERR_OTHER"), [_Stand(revoked=True, failed=1)])
+
+
 def test_elastic_is_refused_without_ulfm(comm: MPI.Intracomm) -> None:
     """Where the MPI library or the launcher lacks ULFM (MPICH; Open MPI without
     --with-ft ulfm), every rank gets the same clear error naming the fix."""
@@ -265,6 +305,22 @@ def test_a_rank_killed_mid_step_is_survived(tmp_path: Path, stage: int) -> None:
     want = estimate_max(specs, 3, stage, elastic=True)["usage"]
     assert results["memory_bytes"] == want and want["snapshots"] > 0
 
+
+
+@pytest.mark.mpi_skip
+@ulfm_only
+def test_a_rank_killed_under_nonblocking_reductions_is_survived(tmp_path: Path) -> None:
+    """Stage 2 without overlap, buckets of 500: the survivors wait in Open MPI's
+    nonblocking reduce-scatters (libnbc), which abort their schedule on a failed
+    peer or a revoked communicator and report only ``MPI_ERR_OTHER`` (in about a
+    third of such kills here); with ULFM knowing of the failure that is a failure
+    too (:func:`zerompi.mpi.ulfm.is_failure`), and the job goes on."""
+    job = Job(tmp_path, 4, [*DRIVER, "--stage", "2", "--no-overlap", "--bucket-elems", "500"],
+              pauses="step:13")  # fmt: skip
+    pids = job.wait_marker("step:13", 4)
+    os.kill(pids[2], signal.SIGKILL)
+    (rec,) = finished(job, 3, 1)["recoveries"]
+    assert rec["lost"] == [2] and rec["world_size_after"] == 3
 
 
 @pytest.mark.mpi_skip

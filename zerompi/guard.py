@@ -25,7 +25,7 @@ class Recovers(Protocol):
     """What a guard needs: whether an exception is a failed peer, and the recovery
     that turns it into the exception every survivor raises."""
 
-    def is_failure(self, exc: BaseException) -> bool: ...
+    def is_failure(self, exc: BaseException, owner: Any) -> bool: ...
 
     def recover(self, owner: Any) -> BaseException: ...
 
@@ -41,7 +41,7 @@ def communicates(method: F) -> F:
             return method(self, *args, **kwargs)
         except Exception as exc:
             recovery = self._recovery
-            if recovery is None or not recovery.is_failure(exc):
+            if recovery is None or not recovery.is_failure(exc, self):
                 raise
             raise recovery.recover(self) from exc
 
@@ -68,6 +68,6 @@ def survive(owner: Any) -> Iterator[None]:
         yield
     except Exception as exc:
         recovery = owner._recovery
-        if recovery is None or not recovery.is_failure(exc):
+        if recovery is None or not recovery.is_failure(exc, owner):
             raise
         raise recovery.recover(owner) from exc

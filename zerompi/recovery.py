@@ -38,11 +38,12 @@ class Recovery:
     """An elastic optimizer's recovery (its ``_recovery``; see the module docstring)."""
 
     @staticmethod
-    def is_failure(exc: BaseException) -> bool:
-        """Whether ``exc`` is MPI reporting a failed peer (ULFM)."""
+    def is_failure(exc: BaseException, owner: Any) -> bool:
+        """Whether ``exc`` is MPI reporting a failed peer (ULFM) of ``owner``'s
+        communicator."""
         from .mpi.ulfm import is_failure
 
-        return is_failure(exc)
+        return is_failure(exc, [owner.comm])
 
     def recover(self, opt: Any) -> RankLost:
         """Collective over the survivors: the optimizer ``opt`` runs on a new engine

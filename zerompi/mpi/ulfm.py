@@ -59,13 +59,39 @@ def prepare(comm: Comm) -> None:
     comm.mpi.Set_errhandler(MPI.ERRORS_RETURN)
 
 
-def is_failure(exc: BaseException) -> bool:
+def is_failure(exc: BaseException, comms: Sequence[Comm] = ()) -> bool:
     """Whether ``exc`` is MPI reporting a failed peer or a revoked communicator; or
     ``MPI_ERR_IN_STATUS``, what a wait on several requests (zerompi's buckets in
-    flight) reports for them, a failed peer under ULFM."""
+    flight) reports for them, a failed peer under ULFM; or ``MPI_ERR_OTHER`` while
+    ULFM knows of a failure on one of ``comms`` (:func:`failure_known`): Open MPI's
+    nonblocking collectives (libnbc) abort their schedule on a failed peer (error 75)
+    or a revoked communicator (77) and the wait then reports only ``MPI_ERR_OTHER``
+    (seen with stage 2, ``overlap=False``, small buckets, a rank killed mid-step)."""
     if not isinstance(exc, MPI.Exception):
         return False
-    return exc.Get_error_class() in FAILURE_CLASSES or exc.Get_error_class() == MPI.ERR_IN_STATUS
+    kind = exc.Get_error_class()
+    if kind in FAILURE_CLASSES or kind == MPI.ERR_IN_STATUS:
+        return True
+    return kind == MPI.ERR_OTHER and any(failure_known(c) for c in comms)
+
+
+def failure_known(comm: Comm) -> bool:
+    """Whether ULFM knows that ``comm`` lost a process or was revoked (local
+    knowledge, no communication); ``False`` where the library cannot say."""
+    mpi = comm.mpi
+    if mpi == MPI.COMM_NULL or not hasattr(mpi, "Get_failed"):
+        return False
+    try:
+        if mpi.Is_revoked():
+            return True
+        failed = mpi.Get_failed()
+        try:
+            return failed.Get_size() > 0
+        finally:
+            if failed != MPI.GROUP_EMPTY:  # (a predefined handle must not be freed)
+                failed.Free()
+    except (MPI.Exception, NotImplementedError):
+        return False
 
 
 def revoke(comms: Sequence[Comm | None]) -> None:
