@@ -618,6 +618,40 @@ get_wide_and_low(PyObject *wide_obj, Py_buffer *wide, int wide_writable, const c
     return kind;
 }
 
+/* An update's ``count`` arrays (param, grad, its states; grad read-only) into views,
+ * each contiguous, of param's kind and length: that kind ('f'/'d'), or 0 with an
+ * exception set and no view held. */
+static char
+get_update_arrays(PyObject *const *objs, Py_buffer *views, int count,
+                  const char *const *names)
+{
+    int got = 0;
+    for (; got < count; got++)
+        if (get_vector(objs[got], &views[got], got != 1, names[got]) < 0) goto fail;
+    const char kind = element_kind(&views[0]);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "param must be float32 or float64, got format '%s'",
+                     views[0].format);
+        goto fail;
+    }
+    for (int i = 1; i < count; i++) {
+        if (element_kind(&views[i]) != kind) {
+            PyErr_Format(PyExc_TypeError, "%s has format '%s', param '%s'", names[i],
+                         views[i].format, views[0].format);
+            goto fail;
+        }
+        if (views[i].len != views[0].len) {
+            PyErr_Format(PyExc_ValueError, "%s has %zd bytes, param %zd", names[i],
+                         views[i].len, views[0].len);
+            goto fail;
+        }
+    }
+    return kind;
+fail:
+    while (got-- > 0) PyBuffer_Release(&views[got]);
+    return 0;
+}
+
 static PyObject *
 adam(PyObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -644,30 +678,11 @@ adam(PyObject *self, PyObject *args, PyObject *kwargs)
     int have_low = 0;
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
-    static const char *names[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
+    static const char *const names[4] = {"param", "grad", "exp_avg", "exp_avg_sq"};
     Py_buffer views[4];
-    int got = 0;
     PyObject *result = NULL;
-    for (; got < 4; got++)
-        if (get_vector(objs[got], &views[got], got != 1, names[got]) < 0) goto done;
-    char kind = element_kind(&views[0]);
-    if (!kind) {
-        PyErr_Format(PyExc_TypeError, "param must be float32 or float64, got format '%s'",
-                     views[0].format);
-        goto done;
-    }
-    for (int i = 1; i < 4; i++) {
-        if (element_kind(&views[i]) != kind) {
-            PyErr_Format(PyExc_TypeError, "%s has format '%s', param '%s'", names[i],
-                         views[i].format, views[0].format);
-            goto done;
-        }
-        if (views[i].len != views[0].len) {
-            PyErr_Format(PyExc_ValueError, "%s has %zd bytes, param %zd", names[i],
-                         views[i].len, views[0].len);
-            goto done;
-        }
-    }
+    const char kind = get_update_arrays(objs, views, 4, names);
+    if (!kind) return NULL;
     Py_ssize_t n = views[0].len / views[0].itemsize;
     if (low_obj != Py_None) {
         if (get_low(low_obj, &low_view, n, low_kind, 1, "low") < 0) goto done;
@@ -688,40 +703,8 @@ adam(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_INCREF(result);
 done:
     if (have_low) PyBuffer_Release(&low_view);
-    while (got-- > 0) PyBuffer_Release(&views[got]);
+    for (int i = 0; i < 4; i++) PyBuffer_Release(&views[i]);
     return result;
-}
-
-/* Three same-kind, same-length vectors (param, grad, one state; grad read-only) into
- * views; their kind ('f'/'d'), or 0 with an exception and nothing held. */
-static char
-get_three(PyObject *const objs[3], Py_buffer views[3], const char *const names[3])
-{
-    int got = 0;
-    for (; got < 3; got++)
-        if (get_vector(objs[got], &views[got], got != 1, names[got]) < 0) goto fail;
-    const char kind = element_kind(&views[0]);
-    if (!kind) {
-        PyErr_Format(PyExc_TypeError, "param must be float32 or float64, got format '%s'",
-                     views[0].format);
-        goto fail;
-    }
-    for (int i = 1; i < 3; i++) {
-        if (element_kind(&views[i]) != kind) {
-            PyErr_Format(PyExc_TypeError, "%s has format '%s', param '%s'", names[i],
-                         views[i].format, views[0].format);
-            goto fail;
-        }
-        if (views[i].len != views[0].len) {
-            PyErr_Format(PyExc_ValueError, "%s has %zd bytes, param %zd", names[i],
-                         views[i].len, views[0].len);
-            goto fail;
-        }
-    }
-    return kind;
-fail:
-    while (got-- > 0) PyBuffer_Release(&views[got]);
-    return 0;
 }
 
 PyDoc_STRVAR(sgd_doc,
@@ -749,7 +732,7 @@ sgd(PyObject *self, PyObject *args, PyObject *kwargs)
     if (variant < 0) return NULL;
     static const char *const names[3] = {"param", "grad", "momentum_buffer"};
     Py_buffer views[3];
-    const char kind = get_three(objs, views, names);
+    const char kind = get_update_arrays(objs, views, 3, names);
     if (!kind) return NULL;
     const Py_ssize_t n = views[0].len / views[0].itemsize;
     Py_BEGIN_ALLOW_THREADS
@@ -784,7 +767,7 @@ lion(PyObject *self, PyObject *args, PyObject *kwargs)
     if (variant < 0) return NULL;
     static const char *const names[3] = {"param", "grad", "exp_avg"};
     Py_buffer views[3];
-    const char kind = get_three(objs, views, names);
+    const char kind = get_update_arrays(objs, views, 3, names);
     if (!kind) return NULL;
     const Py_ssize_t n = views[0].len / views[0].itemsize;
     Py_BEGIN_ALLOW_THREADS
