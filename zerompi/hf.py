@@ -434,9 +434,10 @@ class ZeroMPITrainer(Trainer):
         collector (``gc.freeze()``, undone after; left alone where the program froze
         some itself). HF's training begins with a full ``gc.collect()`` (accelerate's
         ``free_memory``, for GPU caches), which with transformers imported scans some
-        400,000 objects that cannot be garbage — the modules, the model — for about
-        0.23 s on the development machine, as does every full collection during the
-        run; frozen, they are not scanned, and garbage the run makes still is."""
+        440,000 objects that cannot be garbage — the modules, the model — for
+        0.24-0.31 s on the development machine (``scripts/bench_hf_trainer.py``
+        prints it), as does every full collection during the run; frozen, they are
+        not scanned, and garbage the run makes still is."""
         _claim_ranks(*self._ranks)
         freeze = gc.get_freeze_count() == 0
         if freeze:
