@@ -105,6 +105,13 @@ def blocks(n: int, size: int) -> Iterator[tuple[int, int]]:
         yield lo, min(lo + size, n)
 
 
+def kernel_blocks(n: int, scratch: np.ndarray, low: np.ndarray | None) -> Iterator[tuple[int, int]]:
+    """The blocks a compiled update runs over: the whole shard in one call, or, where
+    the rounded copy is written after each, blocks of the scratch's size (still in
+    cache for that write)."""
+    return blocks(n, scratch.shape[0] if low is not None else max(n, 1))
+
+
 def kernels() -> Any:
     """The compiled extension (:func:`compiled` said it is there)."""
     return _adam._kernels

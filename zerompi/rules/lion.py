@@ -22,7 +22,7 @@ import numpy as np
 from ..adam import finite_real
 from ..buffers import StateKind
 from .adam import betas_of
-from .base import Rule, blocks, compiled, write_low
+from .base import Rule, blocks, compiled, kernel_blocks, write_low
 from .base import kernels as _kernels
 
 
@@ -66,8 +66,7 @@ class Lion(Rule):
         (exp_avg,) = states
         variant = compiled(self.kernel, self.variant, param, grad, exp_avg)
         if variant is not None:  # the fused C loop, the same bits; blocks for the copy
-            size = scratch.shape[0] if low is not None else max(param.shape[0], 1)
-            for lo, hi in blocks(param.shape[0], size):
+            for lo, hi in kernel_blocks(param.shape[0], scratch, low):
                 _kernels().lion(param[lo:hi], grad[lo:hi], exp_avg[lo:hi], c.lr, c.beta1,
                                 c.beta2, c.weight_decay, float(divisor),
                                 variant=variant or None)  # fmt: skip

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..adam import finite_real
 from ..buffers import StateKind
-from .base import Rule, blocks, compiled, write_low
+from .base import Rule, blocks, compiled, kernel_blocks, write_low
 from .base import kernels as _kernels
 
 
@@ -74,8 +74,7 @@ class SGD(Rule):
         (buf,) = states
         variant = compiled(self.kernel, self.variant, param, grad, buf)
         if variant is not None:  # the fused C loop, the same bits; blocks for the copy
-            size = scratch.shape[0] if low is not None else max(param.shape[0], 1)
-            for lo, hi in blocks(param.shape[0], size):
+            for lo, hi in kernel_blocks(param.shape[0], scratch, low):
                 _kernels().sgd(param[lo:hi], grad[lo:hi], buf[lo:hi], c.lr, c.momentum,
                                c.dampening, c.nesterov, c.weight_decay, c.decoupled,
                                step == 1, float(divisor), variant=variant or None)  # fmt: skip
