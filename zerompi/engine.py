@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import reducer
 from .arrays import FlatArrays
 from .buffers import BufferPool, Kind, Placement, PlannedBuffer, Stores
 from .config import Settings
@@ -417,12 +418,18 @@ def _reducer(
         micro = per_micro if any(b is not None for b in per_micro) else []
         return FullGradients(comm, parts, grads, at_step, micro, to_zero)  # type: ignore[arg-type]
     slots = staging_slots(engine.config.overlap.enabled)
+    kinds = [plan.reduction(precisions[b.dtype]) for b in layout.buckets]
+    # One slot, summed within one node only: used from both ends, a fence only where
+    # a bucket is written over the one before it (reducer.end_offsets), not after
+    # every sum.
+    ends = (reducer.ENDS and slots == 1 and cross is None and node_sum is not None
+            and all(k is Reduce.NODE_SUM for k in kinds))  # fmt: skip
     staged: list[Backend] = []
-    for index, bucket in enumerate(layout.buckets):
-        kind = plan.reduction(precisions[bucket.dtype])
+    for index, (bucket, kind) in enumerate(zip(layout.buckets, kinds, strict=True)):
         if kind is Reduce.NODE_SUM:
             width = layout.max_bucket(bucket.dtype)
-            staged.append(node_reduce(index, [s * width for s in range(slots)], True, slots == 1))
+            bases = [0, width - bucket.size] if ends else [s * width for s in range(slots)]
+            staged.append(node_reduce(index, bases, True, slots == 1 and not ends))
         elif kind is Reduce.SPLIT:
             staged.append(split(index, recv))
         else:
@@ -446,5 +453,6 @@ def _reducer(
     return StagedGradients(
         comm, layout, parts, engine.names, stores[Kind.GRAD_BUCKET], slots, staged,
         handed_over, make_full if plan.full_grads_on_demand else None,
+        nodes.node.fence if ends else None,
     )  # fmt: skip
 

@@ -29,11 +29,74 @@ from .arrays import FlatArrays
 from .handover import Block, Found, Names, single_bucket
 from .mpi.collectives import Comm
 from .nodesum import Stats
-from .partition import Layout
+from .partition import Bucket, Layout
 from .plan import REDUCE_WINDOW, Part
 from .reduction import Backend, InFlight
 
 Visit = Callable[[int], None]
+
+#: Whether one staging slot summed within one node is used from both ends
+#: (:func:`end_offsets`), read when an engine is built: ``False`` gives the node fence
+#: after every sum instead (``scripts/ends_ab.py`` builds one of each).
+ENDS = True
+
+
+def end_offsets(buckets: Sequence[Bucket], width: Mapping[np.dtype, int]) -> list[list[int]]:
+    """Where each bucket's gradients go in one staging slot used from both ends: the
+    buckets handed over one after the other alternate between its bottom (slot 0,
+    from offset 0) and its top (slot 1, ending at the slot's end). A bucket is then
+    written while the node's ranks may still read the one before it, with no node
+    fence in between, unless the two do not fit side by side in the slot (the
+    largest bucket and a neighbour); then one fence first. Measured against the node
+    fence after every sum it replaces: ``scripts/ends_ab.py``."""
+    return [[0] * len(buckets), [width[b.dtype] - b.size for b in buckets]]
+
+
+def take(spans: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """Remove ``[start, stop)`` from the disjoint sorted ``spans`` (in place) and
+    return the pieces of the spans it covered, relative to ``start``."""
+    if start >= stop:
+        return []
+    inside, kept = [], []
+    for lo, hi in spans:
+        if hi <= start or lo >= stop:
+            kept.append((lo, hi))
+            continue
+        inside.append((max(lo, start) - start, min(hi, stop) - start))
+        if lo < start:
+            kept.append((lo, start))
+        if hi > stop:
+            kept.append((stop, hi))
+    spans[:] = kept
+    return inside
+
+
+def add_span(spans: list[tuple[int, int]], start: int, stop: int) -> None:
+    """Add ``[start, stop)`` to the disjoint sorted ``spans`` (in place), merged with
+    the spans it overlaps or touches."""
+    if start >= stop:
+        return
+    kept = []
+    for lo, hi in spans:
+        if hi < start or lo > stop:
+            kept.append((lo, hi))
+        else:
+            start, stop = min(lo, start), max(hi, stop)
+    kept.append((start, stop))
+    kept.sort()
+    spans[:] = kept
+
+
+def zero_except(buf: np.ndarray, lo: int, hi: int, known: Sequence[tuple[int, int]]) -> None:
+    """Zero ``buf[lo:hi]`` but the sorted disjoint ``known`` spans (zero already)."""
+    for zlo, zhi in known:
+        if zhi <= lo or zlo >= hi:
+            continue
+        if zlo > lo:
+            buf[lo:zlo].fill(0)
+        lo = max(lo, zhi)
+    if lo < hi:
+        buf[lo:hi].fill(0)
 
 
 class FullGradients:
@@ -144,17 +207,27 @@ class StagedGradients:
         self, comm: Comm, layout: Layout, parts: Sequence[Part], names: Names,
         staging: Mapping[np.dtype, np.ndarray], slots: int, backends: Sequence[Backend],
         on_exit: Callable[[Found], None], make_full: MakeFull | None = None,
+        ends: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.comm, self.layout, self.parts, self.names = comm, layout, parts, names
-        self.slots, self.backends, self.on_exit = slots, backends, on_exit
+        self.backends, self.on_exit = backends, on_exit
         self.make_full = make_full
         #: Per bucket, its statistics when its reduction computed them (one node).
         self.fused: list[Stats] = [None] * len(parts)
         width = {d: max((b.size for b in layout.buckets if b.dtype == d), default=0)
                  for d in staging}  # fmt: skip
-        #: offsets[slot][index]: where bucket index's staging buffer starts in slot
-        self.offsets = [[s * width[b.dtype] for b in layout.buckets] for s in range(slots)]
         buckets = layout.buckets
+        #: One slot used from both ends (see :func:`end_offsets`): the node fence to
+        #: call before a bucket is written over the one reduced just before it.
+        self.ends_fence = ends
+        if ends is not None:
+            assert slots == 1, "both ends of one staging slot"
+            slots = 2
+            self.offsets = end_offsets(buckets, width)
+        else:
+            #: offsets[slot][index]: where bucket index's staging buffer starts in slot
+            self.offsets = [[s * width[b.dtype] for b in buckets] for s in range(slots)]
+        self.slots = slots
         #: views[slot][index]: bucket index's staging buffer in slot
         self.views = [
             [staging[b.dtype][off : off + b.size] for b, off in zip(buckets, row, strict=True)]
@@ -171,16 +244,18 @@ class StagedGradients:
             self.ranges.append(spans if tiled else None)
         #: the open bucket's parameters not written since ``begin``: their staging
         #: region is stale, so the first hand-over copies into it, and a block or
-        #: ``flush`` zeroes what is left (from ``zero_from``: what is not zero yet)
+        #: ``flush`` zeroes what is left (but ``known``: what is zero already)
         self.unwritten: set[str] = set()
-        self.zero_from = 0
+        self.known: list[tuple[int, int]] = []
         self.reductions = [0] * len(parts)  # per bucket, this step
         self.open: int | None = None  # bucket whose gradients fill the open slot
         self.slot = 0
-        #: Per dtype and slot (each dtype has its own staging), its leading elements
-        #: zero in every node rank's part (zeroed by the sum within a node as it read
-        #: them, so not again at ``begin``).
-        self.clean = {d: [0] * slots for d in staging}
+        #: Per dtype (each has its own staging), the ``(start, stop)`` spans of it
+        #: zero in every node rank's part: zeroed by the sum within a node as it read
+        #: them, so not again at ``begin``.
+        self.zeros: dict[np.dtype, list[tuple[int, int]]] = {d: [] for d in staging}
+        #: The bucket reduced last from staging: ``(dtype, start, stop)`` there.
+        self.last: tuple[np.dtype, int, int] | None = None
         #: its parameters not handed over yet (``None``: all of them)
         self.pending: set[str] | None = None
         self.inflight: list[InFlight] = []
@@ -250,14 +325,20 @@ class StagedGradients:
             self._release(slot)
         self.slot = slot
         buf = self.views[slot][index]
-        clean = self.clean[self.layout.buckets[index].dtype]
+        dtype = self.layout.buckets[index].dtype
+        start = self.offsets[slot][index]
+        stop = start + buf.shape[0]
+        last = self.last
+        if self.ends_fence is not None and last is not None and last[0] == dtype and (
+            last[1] < stop and start < last[2]
+        ):
+            self.ends_fence()  # every node rank is done reading the bucket before
+        known = take(self.zeros[dtype], start, stop)  # written from now on
         if self.ranges[index] is None:
-            if clean[slot] < buf.shape[0]:
-                buf[clean[slot] :].fill(0)
+            zero_except(buf, 0, buf.shape[0], known)
         else:  # zeroed lazily: a parameter's first hand-over overwrites its region
             self.unwritten = set(self.bucket_names[index])
-            self.zero_from = clean[slot]
-        clean[slot] = 0  # written from now on
+            self.known = known
         self.open = index
         self.pending = None
         return buf
@@ -287,14 +368,13 @@ class StagedGradients:
 
     def _zero_unwritten(self, buf: np.ndarray, index: int, names: Sequence[str] | None) -> None:
         """Zero the stale regions of ``names`` (``None``: all) of the open bucket."""
-        spans, start = self.ranges[index], self.zero_from
+        spans, known = self.ranges[index], self.known
         assert spans is not None
         for name in list(self.unwritten) if names is None else names:
             if name in self.unwritten:
                 self.unwritten.discard(name)
                 lo, hi = spans[name]
-                if hi > start:
-                    buf[max(lo, start) : hi].fill(0)
+                zero_except(buf, lo, hi, known)
 
     def handed_over(self, index: int, names: Sequence[str] | None) -> None:
         """``names`` of bucket ``index`` are handed over (``None``: all of them);
@@ -351,8 +431,12 @@ class StagedGradients:
         self.reductions[index] += 1
         flight = backend.start(src, slot, add)
         self.fused[index] = backend.stats
-        if backend.clears and slot is not None:
-            self.clean[self.layout.buckets[index].dtype][slot] = src.shape[0]
+        if slot is not None:
+            dtype = self.layout.buckets[index].dtype
+            start = self.offsets[slot][index]
+            self.last = (dtype, start, start + src.shape[0])
+            if backend.clears:  # (zero everywhere once the node's ranks pass a fence)
+                add_span(self.zeros[dtype], start, start + src.shape[0])
         if flight is not None:
             self.inflight.append(flight)
 
