@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import allocator
 from ..config import ZeroConfig, config_of
 from ..mpi.collectives import Comm
 from ..partition import Deferred
@@ -193,7 +194,7 @@ def torch_config(config: ZeroConfig | None, keywords: dict[str, Any]) -> ZeroCon
 
 def shard(
     model: torch.nn.Module, config: ZeroConfig | None = None, *, comm: Any = None,
-    **keywords: Any,
+    keep_memory: bool = True, **keywords: Any,
 ) -> tuple[torch.nn.Module, ShardedOptimizer]:  # fmt: skip
     """Collective: shard ``model``'s trainable parameters over ``comm`` (default
     ``COMM_WORLD``) and return ``(model, optimizer)``; the module is changed in place
@@ -230,7 +231,12 @@ def shard(
     again before its backward and frees them after; a parameter read elsewhere in the
     model's forward is gathered for it (:mod:`._units`). Between steps every trainable
     parameter is an empty tensor: read them inside
-    ``with optimizer.full_parameters():``. Any error is raised on every rank."""
+    ``with optimizer.full_parameters():``.
+
+    ``keep_memory`` (default): the process's C allocator keeps what a step frees for
+    the next one (:func:`zerompi.allocator.keep_freed`), so autograd's tensors do
+    not fault in fresh pages at every step; ``False`` leaves the allocator as it is.
+    Any error is raised on every rank."""
     from ..optimizer import ZeroOptimizer
 
     check = Comm(comm, timeout=0)
@@ -251,6 +257,8 @@ def shard(
     # freed as it does): a refused shard() leaves the module as it was.
     check.check_same([(n, tuple(t.shape), str(t.dtype)) for n, t in _rest(model)],
                      "the module's frozen parameters and buffers (name, shape, dtype)")  # fmt: skip
+    if keep_memory:
+        allocator.keep_freed()
     # Stage 3 gathers into the modules' own storages (_units): no gather buffers.
     zero = ZeroOptimizer({name: _taken(param) for name, param in named},
                          zero_config.replace(gather_buffers=False), comm=comm)  # fmt: skip
