@@ -3,6 +3,7 @@ alternated in one run.
 
     mpiexec -n 2 python scripts/prefetch_ab.py [--size 16e6] [--rounds 6] [--steps 4]
                                                [--arch gpt|llama] [--toggle spares]
+                                               [--keep-memory]
 
 The whole-step bench's model (``python -m zerompi.bench --model gpt``'s
 :func:`zerompi.bench.gpt.gpt_config`, or its ``--arch llama``) through
@@ -15,7 +16,11 @@ as shipped) and ``--steps`` with it off (every gather blocking), in alternating 
 of each side, their ratio and the gathers served ahead per step. ``--toggle spares``
 switches the other thing instead: the released buckets' memory kept for the next
 gathers (:class:`zerompi.torch._units.Spares`, as shipped) or given back to the C
-library every time (off); it also prints the page faults per step of each side.
+library every time (off), with ``shard(keep_memory=False)`` (the allocator as it
+comes: with ``keep_memory`` there are no spares), or with ``--keep-memory`` under
+``shard()``'s default (the allocator keeping freed memory, the spares' limit set to
+the two largest buckets for the ``on`` side); it also prints the page faults per step
+of each side.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--toggle", choices=("prefetch", "spares"), default="prefetch")
+    p.add_argument("--keep-memory", action="store_true",
+                   help="--toggle spares under shard()'s keep_memory=True")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
@@ -50,9 +57,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = make_model(args.arch, cfg)
     params = sum(p.numel() for p in model.parameters())
-    model, opt = shard(model, stage=3, shared_memory=False, lr=3e-4, weight_decay=0.1)
+    # Spares are what keeps gather memory where the allocator does not (keep_memory=False)
+    model, opt = shard(model, stage=3, shared_memory=False, lr=3e-4, weight_decay=0.1,
+                       keep_memory=args.toggle != "spares" or args.keep_memory)  # fmt: skip
     units = opt.units
     shipped, kept = list(units.worth), units.spares.limit
+    if args.keep_memory:  # (no spares then: the limit shard() gives them without it)
+        kept = 2 * max(f.numel() * f.element_size() for f in units.flats)
     vocab, step_no = cfg["vocab"], 0
 
     def one_step() -> tuple[float, int]:
@@ -92,7 +103,8 @@ def main() -> None:
     opt.close()
     if comm.rank == 0:
         on, off = (1e3 * statistics.median(times[k]) for k in ("on", "off"))
-        print(f"{args.toggle} A/B: {args.arch}, {params:,} "
+        print(f"{args.toggle} A/B{' (keep_memory)' if args.keep_memory else ''}: "
+              f"{args.arch}, {params:,} "
               f"params, W={comm.size}, {len(units.worth)} buckets "
               f"({sum(shipped)} prefetchable), {args.rounds} rounds x {args.steps} steps "
               f"per side, alternated")  # fmt: skip
