@@ -6,6 +6,8 @@ Written from the papers, one parameter at a time, with no buffers, blocks or MPI
   and Loshchilov & Hutter (2019), Algorithm 2 (decoupled weight decay; schedule
   multiplier = lr, as in torch's ``AdamW``). Without decoupling, weight decay is the
   classic L2 term added to the gradient.
+* :class:`ReferenceAdam8bit`: the same with its moments stored in 8 bits per element
+  and a scale per block (Dettmers et al. 2022; :mod:`zerompi.quant`).
 * :class:`ReferenceSGD`: SGD with momentum as Sutskever et al. (2013) write it in the
   form torch's ``SGD`` uses (the buffer starts as the first gradient; dampening;
   Nesterov as ``g + momentum * b``); weight decay L2, or decoupled (``p -= lr * wd *
@@ -76,6 +78,53 @@ class ReferenceAdam:
     @property
     def states(self) -> dict[str, dict[str, np.ndarray]]:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+
+class ReferenceAdam8bit(ReferenceAdam):
+    """Adam/AdamW with 8-bit blockwise states (Dettmers et al. 2022, block-wise
+    quantization with dynamic maps, :mod:`zerompi.quant`): each step dequantizes the
+    moments, takes :class:`ReferenceAdam`'s step in float32 (the parameters are
+    updated with these float32 moments), and stores the new moments quantized, the
+    first with the signed map, the second with the unsigned one. Blocks are cut from
+    the start of the float32 parameters laid end to end in ``order`` (default: the
+    mapping's), as the sharded optimizer lays them out; ``exp_avg``/``exp_avg_sq``
+    hold the dequantized values, ``quantized`` the bytes and the scales."""
+
+    def __init__(
+        self, params: Mapping[str, np.ndarray], *, block: int = 256,
+        order: Iterable[str] | None = None, **adam: object,
+    ) -> None:  # fmt: skip
+        super().__init__(params, **adam)  # type: ignore[arg-type]
+        from . import quant
+
+        self.quant, self.block = quant, block
+        self.order = list(self.params) if order is None else list(order)
+        bad = [n for n in self.order if self.params[n].dtype != np.float32]
+        if bad or sorted(self.order) != sorted(self.params):
+            raise ValueError(f"8-bit states need float32 parameters, in one order: {bad}")
+        n = sum(self.params[name].size for name in self.order)
+        blocks = quant.blocks_of(0, n, block)[1]
+        zero = int(np.searchsorted(quant.SIGNED, 0.0))
+        self.quantized = {
+            "exp_avg": (np.full(n, zero, np.uint8), np.zeros(blocks, np.float32)),
+            "exp_avg_sq": (np.zeros(n, np.uint8), np.zeros(blocks, np.float32)),
+        }
+
+    def step(self, grads: Mapping[str, np.ndarray]) -> None:
+        super().step(grads)  # from the dequantized moments
+        for label, codes in (("exp_avg", self.quant.SIGNED),
+                             ("exp_avg_sq", self.quant.UNSIGNED)):  # fmt: skip
+            moments = getattr(self, label)
+            flat = np.concatenate([moments[name].ravel() for name in self.order])
+            q, scales = self.quantized[label]
+            scales[...] = self.quant.block_max(flat, 0, self.block)
+            self.quant.quantize(flat, 0, scales, codes, q, self.block)
+            self.quant.dequantize(q, 0, scales, codes, flat, self.block)
+            at = 0
+            for name in self.order:
+                size = self.params[name].size
+                moments[name] = flat[at : at + size].reshape(self.params[name].shape)
+                at += size
 
 
 class ReferenceSGD:

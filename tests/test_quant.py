@@ -1,0 +1,99 @@
+"""Blockwise 8-bit quantization (:mod:`zerompi.quant`) and the 8-bit Adam reference
+built on it: nearest codes, blocks cut from the flat array's start so that any cut
+into shards quantizes to the same bytes once the parts agree on the scales, and a
+reference that trains like float32 Adam. Serial, one fixed seed (every rank alike)."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from zerompi import quant
+from zerompi.reference import ReferenceAdam, ReferenceAdam8bit
+
+MAPS = {"signed": quant.SIGNED, "unsigned": quant.UNSIGNED}
+
+
+@pytest.mark.parametrize("kind", list(MAPS))
+def test_maps_are_256_sorted_codes_with_zero_and_one(kind: str) -> None:
+    codes = MAPS[kind]
+    assert codes.dtype == np.float32 and codes.shape == (256,)
+    assert np.all(np.diff(codes) > 0)
+    assert 0.0 in codes and codes[-1] == 1.0
+    assert codes[0] == (-1.0 if kind == "signed" else 0.0)
+    # dynamic: a value 1000x below its block's largest is still among close codes
+    small = codes[(codes > 1e-3) & (codes < 1e-2)]
+    assert small.shape[0] >= (16 if kind == "signed" else 32)
+
+
+@pytest.mark.parametrize("kind", list(MAPS))
+def test_quantize_takes_the_nearest_code(kind: str) -> None:
+    codes = MAPS[kind]
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(3000) * np.logspace(-6, 0, 3000)).astype(np.float32)
+    if kind == "unsigned":
+        x = np.abs(x)
+    x[:5] = 0.0
+    scales = quant.block_max(x, 0)
+    q = np.empty(x.shape, np.uint8)
+    quant.quantize(x, 0, scales, codes, q)
+    for b in range(scales.shape[0]):
+        y = x[b * quant.BLOCK : (b + 1) * quant.BLOCK] / scales[b]
+        got = np.abs(codes[q[b * quant.BLOCK : (b + 1) * quant.BLOCK]] - y)
+        best = np.min(np.abs(codes[None, :] - y[:, None]), axis=1)
+        # (the thresholds are float32: a tie may go either way within one ulp)
+        assert np.all(got <= best + np.spacing(np.float32(1))), f"block {b}: not the nearest"
+    out = np.empty(x.shape, np.float32)
+    quant.dequantize(q, 0, scales, codes, out)
+    assert np.array_equal(out == 0, x == 0) or kind == "signed"
+    assert np.max(np.abs(out)) == np.max(np.abs(x))  # a block's largest is exact
+    again = np.empty_like(q)  # what is stored is what a checkpoint re-reads, exactly
+    quant.quantize(out, 0, quant.block_max(out, 0), codes, again)
+    assert np.array_equal(again, q)
+
+
+def test_any_cut_into_parts_gives_the_same_bytes() -> None:
+    """Shards of any sizes (empty ones too), each quantizing its part with its
+    blocks' scales agreed as the largest over the parts: the whole array's bytes."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(2000).astype(np.float32)
+    whole = np.empty(x.shape, np.uint8)
+    quant.quantize(x, 0, quant.block_max(x, 0), quant.SIGNED, whole)
+    nblocks = quant.blocks_of(0, x.shape[0])[1]
+    for _ in range(40):
+        cuts = np.sort(rng.integers(0, x.shape[0] + 1, size=int(rng.integers(1, 9))))
+        edges = [0, *cuts.tolist(), x.shape[0]]
+        agreed = np.zeros(nblocks, np.float32)
+        for lo, hi in pairwise(edges):
+            first, stop = quant.blocks_of(lo, hi - lo)
+            np.maximum(agreed[first:stop], quant.block_max(x[lo:hi], lo), out=agreed[first:stop])
+        parts = np.empty_like(whole)
+        for lo, hi in pairwise(edges):
+            first, stop = quant.blocks_of(lo, hi - lo)
+            quant.quantize(x[lo:hi], lo, agreed[first:stop], quant.SIGNED, parts[lo:hi])
+        assert np.array_equal(parts, whole), f"cut at {edges}"
+
+
+def test_the_8bit_reference_trains_like_float32_adam() -> None:
+    rng = np.random.default_rng(3)
+    params = {"w": rng.standard_normal((40, 30)).astype(np.float32),
+              "b": rng.standard_normal(30).astype(np.float32)}  # fmt: skip
+    hyper = {"lr": 1e-3, "weight_decay": 0.01, "decoupled_weight_decay": True}
+    ref, ref8 = ReferenceAdam(params, **hyper), ReferenceAdam8bit(params, **hyper)
+    target = {n: rng.standard_normal(p.shape).astype(np.float32) for n, p in params.items()}
+
+    def loss(opt: ReferenceAdam) -> float:
+        return sum(float(np.sum((opt.params[n] - target[n]) ** 2)) for n in params) / 2
+
+    start = loss(ref)
+    for _ in range(200):
+        for opt in (ref, ref8):
+            opt.step({n: opt.params[n] - target[n] for n in params})
+    gained, apart = start - loss(ref), abs(loss(ref8) - loss(ref))
+    assert gained > 0.1 * start and apart < 0.05 * gained, (start, loss(ref), loss(ref8))
+    q, scales = ref8.quantized["exp_avg_sq"]
+    assert q.dtype == np.uint8 and scales.shape == (quant.blocks_of(0, 1230)[1],)
+    stored = (q.nbytes + scales.nbytes) * 2
+    assert stored / (1230 * 8) < 0.27  # Adam's two states: ~2 bytes an element, not 8
