@@ -964,6 +964,158 @@ done:
     return result;
 }
 
+
+/* 8-bit Adam (zerompi.quant.adam8_step): whole blocks of `block` elements, each
+ * dequantized (codes[q] * scale, float32), stepped with ADAM_LOOP's arithmetic in
+ * its order (bit for bit the numpy path's), its new largest magnitudes the new
+ * scales, and re-quantized to the nearest code, ties to the lower: the count of
+ * midpoints below q / scale (an 8-step search of the 255 midpoints). */
+static void
+adam8_f32(float *restrict p, const float *restrict g, uint8_t *restrict qm,
+          uint8_t *restrict qv, float *restrict sm, float *restrict sv, Py_ssize_t nblocks,
+          Py_ssize_t block, double lr_, double b1_, double b2_, double eps_, double wd_,
+          int decoupled, double bc1_, double bc2_, double div_, const float *restrict cm,
+          const float *restrict mm, const float *restrict cv, const float *restrict mv,
+          int zm, int zv, float *restrict tm, float *restrict tv)
+{
+    const float lr = (float)lr_, b1 = (float)b1_, b2 = (float)b2_, eps = (float)eps_;
+    const float omb1 = (float)(1.0 - b1_), omb2 = (float)(1.0 - b2_);
+    const float wd = (float)wd_, bc1 = (float)bc1_, bc2 = (float)bc2_, div = (float)div_;
+    const int divide = div_ != 1.0, l2 = wd_ != 0.0 && !decoupled,
+              dec = wd_ != 0.0 && decoupled;
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        const Py_ssize_t at = b * block;
+        const float ms = sm[b], vs = sv[b];
+        float mx = 0.0f, vx = 0.0f;
+        for (Py_ssize_t i = 0; i < block; i++) {
+            float gi = g[at + i];
+            const float pi = p[at + i];
+            if (divide) gi = gi / div;
+            if (l2) gi = gi + pi * wd;
+            const float m0 = cm[qm[at + i]] * ms, v0 = cv[qv[at + i]] * vs;
+            const float mi = m0 * b1 + gi * omb1;
+            const float vi = v0 * b2 + (gi * gi) * omb2;
+            float u = (mi / bc1) / (sqrtf(vi / bc2) + eps);
+            if (dec) u = u + pi * wd;
+            p[at + i] = pi - u * lr;
+            tm[i] = mi;
+            tv[i] = vi;
+            const float am = fabsf(mi), av = fabsf(vi);
+            mx = am > mx ? am : mx;
+            vx = av > vx ? av : vx;
+        }
+        sm[b] = mx;
+        sv[b] = vx;
+        for (Py_ssize_t i = 0; i < block; i++) {
+            int k = zm;
+            if (mx != 0.0f) {
+                const float y = tm[i] / mx;
+                k = 0;
+                for (int step = 128; step; step >>= 1)
+                    if (mm[k + step - 1] < y) k += step;
+            }
+            qm[at + i] = (uint8_t)k;
+            k = zv;
+            if (vx != 0.0f) {
+                const float y = tv[i] / vx;
+                k = 0;
+                for (int step = 128; step; step >>= 1)
+                    if (mv[k + step - 1] < y) k += step;
+            }
+            qv[at + i] = (uint8_t)k;
+        }
+    }
+}
+
+/* A contiguous array of `n` elements of one-byte format `fmt` ('B' or 'f' with
+ * itemsize), or -1 with an exception. */
+static int
+get_typed(PyObject *obj, Py_buffer *view, Py_ssize_t n, char fmt, Py_ssize_t itemsize,
+          int writable, const char *name)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %scontiguous array", name,
+                     writable ? "writable " : "");
+        return -1;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (view->itemsize != itemsize || f[0] != fmt || (n >= 0 && view->len != itemsize * n)) {
+        PyErr_Format(PyExc_ValueError, "%s must be %zd elements of format '%c', got %zd "
+                     "bytes of '%s'", name, n, fmt, view->len, view->format);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(adam8_doc,
+"adam8(param, grad, qm, qv, sm, sv, lr, beta1, beta2, eps, weight_decay, decoupled,\n"
+"      bc1, bc2, divisor, codes_m, mids_m, codes_v, mids_v, block)\n\n"
+"8-bit Adam on whole blocks: param, grad float32 (a multiple of block elements), qm,\n"
+"qv uint8 of as many, sm, sv float32 scales (one per block), the codes (256) and\n"
+"midpoints (255) of each map, float32. In place; grad is read only.");
+
+static PyObject *
+adam8(PyObject *self, PyObject *args)
+{
+    PyObject *o[11];
+    double lr, b1, b2, eps, wd, bc1, bc2, div;
+    int decoupled;
+    Py_ssize_t block;
+    if (!PyArg_ParseTuple(args, "OOOOOOdddddpdddOOOOn", &o[0], &o[1], &o[2], &o[3], &o[4],
+                          &o[5], &lr, &b1, &b2, &eps, &wd, &decoupled, &bc1, &bc2, &div,
+                          &o[6], &o[7], &o[8], &o[9], &block))
+        return NULL;
+    if (block < 1 || block > 1 << 16) {
+        PyErr_Format(PyExc_ValueError, "block must be 1 to 65536, got %zd", block);
+        return NULL;
+    }
+    Py_buffer v[10];
+    int got = 0;
+    PyObject *result = NULL;
+    float *tmp = NULL;
+    if (get_typed(o[0], &v[got], -1, 'f', 4, 1, "param") < 0) goto done;
+    got++;
+    const Py_ssize_t n = v[0].len / 4;
+    if (n % block) {
+        PyErr_Format(PyExc_ValueError, "param has %zd elements, not whole blocks of %zd", n,
+                     block);
+        goto done;
+    }
+    const char fmts[10] = {'f', 'f', 'B', 'B', 'f', 'f', 'f', 'f', 'f', 'f'};
+    const Py_ssize_t sizes[10] = {n, n, n, n, n / block, n / block, 256, 255, 256, 255};
+    const char *names[10] = {"param", "grad", "qm", "qv", "sm", "sv", "codes_m", "mids_m",
+                             "codes_v", "mids_v"};
+    for (; got < 10; got++)
+        if (get_typed(o[got], &v[got], sizes[got], fmts[got], fmts[got] == 'B' ? 1 : 4,
+                      got != 1 && got < 6, names[got]) < 0)
+            goto done;
+    tmp = PyMem_Malloc(2 * block * sizeof(float));
+    if (tmp == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const float *cm = v[6].buf, *cv = v[8].buf;
+    int zm = 0, zv = 0;
+    for (int i = 0; i < 256; i++) {
+        if (cm[i] == 0.0f) zm = i;
+        if (cv[i] == 0.0f) zv = i;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    adam8_f32(v[0].buf, v[1].buf, v[2].buf, v[3].buf, v[4].buf, v[5].buf, n / block, block,
+              lr, b1, b2, eps, wd, decoupled, bc1, bc2, div, cm, v[7].buf, cv, v[9].buf, zm,
+              zv, tmp, tmp + block);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyMem_Free(tmp);
+    for (int q = 0; q < got; q++) PyBuffer_Release(&v[q]);
+    return result;
+}
+
 PyDoc_STRVAR(variants_doc,
 "variants() -> tuple of str\n\n"
 "The compiled loops this CPU can run, widest vectors first, among 'avx512f',\n"
@@ -1019,6 +1171,7 @@ static PyMethodDef methods[] = {
      accumulate_doc},
     {"sum_parts", (PyCFunction)(void (*)(void))sum_parts, METH_VARARGS | METH_KEYWORDS,
      sum_parts_doc},
+    {"adam8", adam8, METH_VARARGS, adam8_doc},
     {"variants", variants, METH_NOARGS, variants_doc},
     {"compiled", compiled, METH_NOARGS, compiled_doc},
     {NULL, NULL, 0, NULL},

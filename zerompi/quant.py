@@ -113,3 +113,130 @@ def dequantize(
         lo = max(b * block - offset, 0)
         hi = min((b + 1) * block - offset, q.shape[0])
         np.multiply(codes[q[lo:hi]], scales[b - first], out=out[lo:hi])
+
+
+def zero_code(codes: np.ndarray) -> int:
+    """The index of the code 0.0."""
+    return int(np.searchsorted(codes, 0.0))
+
+
+class Edges:
+    """What an 8-bit step leaves for the ranks to agree on: the float32 moments of its
+    partial blocks (a block this piece holds only part of), which are quantized once
+    the scale of each such block is the largest over every piece holding part of it.
+    ``blocks`` are global block indices, ``first``/``last`` the piece's slots."""
+
+    __slots__ = ("moments", "slots", "spans")
+
+    def __init__(self) -> None:
+        #: per partial block: ``(slot in the piece's scales, lo, hi)`` in the piece
+        self.spans: list[tuple[int, int, int]] = []
+        #: per partial block, the float32 new moments (one array per state)
+        self.moments: list[tuple[np.ndarray, ...]] = []
+        self.slots: list[int] = []
+
+
+def partial_blocks(offset: int, n: int, block: int = BLOCK) -> list[tuple[int, int, int]]:
+    """``(slot, lo, hi)`` of the blocks elements ``offset ... offset + n`` hold only in
+    part (at most two: the first and the last), ``slot`` counted from the first."""
+    first, stop = blocks_of(offset, n, block)
+    out = []
+    for b in (first, stop - 1) if stop - first > 1 else (first,) if n else ():
+        lo, hi = max(b * block - offset, 0), min((b + 1) * block - offset, n)
+        if hi - lo < block:
+            out.append((b - first, lo, hi))
+    return out
+
+
+def adam8_step(
+    param: np.ndarray, grad: np.ndarray, qm: np.ndarray, qv: np.ndarray,
+    sm: np.ndarray, sv: np.ndarray, offset: int, step: int, config: object,
+    divisor: float = 1.0, block: int = BLOCK, kernel: str | None = None,
+) -> Edges:  # fmt: skip
+    """Adam/AdamW (:func:`zerompi.adam.adam_step`'s arithmetic) on a piece of the
+    flat float32 parameters starting at global element ``offset``, its moments held
+    in 8 bits (``qm`` signed map, ``qv`` unsigned; ``sm``/``sv`` the scales of the
+    blocks the piece touches). Each block is dequantized, stepped in float32 and
+    re-quantized with its new largest magnitude; a block held only in part is stepped
+    and left in the returned :class:`Edges` for :func:`finish_edges` once its scale
+    is agreed. ``grad`` is consumed. ``kernel`` as for ``adam_step`` (the compiled
+    loop takes the whole blocks)."""
+    from .adam import KERNEL, adam_step
+
+    n = param.shape[0]
+    edges = Edges()
+    partial = partial_blocks(offset, n, block)
+    head = partial[0][2] if partial and partial[0][1] == 0 else 0
+    tail = partial[-1][1] if partial and partial[-1][2] == n and partial[-1][1] >= head else n
+    whole_first = blocks_of(offset, n, block)[0] + (1 if head else 0)
+    if tail > head:  # the whole blocks
+        use_c = (kernel or KERNEL) == "c" and _compiled() is not None
+        lo_slot = (offset + head) // block - blocks_of(offset, n, block)[0]
+        nb = (tail - head) // block
+        if use_c:
+            _adam8_compiled(param[head:tail], grad[head:tail], qm[head:tail], qv[head:tail],
+                            sm[lo_slot:lo_slot + nb], sv[lo_slot:lo_slot + nb], step, config,
+                            divisor, block)  # fmt: skip
+        else:
+            m = np.empty(block, np.float32)
+            v = np.empty(block, np.float32)
+            scratch = np.empty(block, np.float32)
+            for k in range(nb):
+                lo, hi = head + k * block, head + (k + 1) * block
+                s = lo_slot + k
+                np.multiply(SIGNED[qm[lo:hi]], sm[s], out=m)
+                np.multiply(UNSIGNED[qv[lo:hi]], sv[s], out=v)
+                adam_step(param[lo:hi], grad[lo:hi], m, v, step, config, scratch, divisor,
+                          kernel=kernel)  # fmt: skip
+                for x, q, scales, codes in ((m, qm, sm, SIGNED), (v, qv, sv, UNSIGNED)):
+                    scales[s] = np.max(np.abs(x))
+                    quantize(x, (whole_first + k) * block, scales[s : s + 1], codes, q[lo:hi],
+                             block)  # fmt: skip
+    for slot, lo, hi in partial:  # stepped here, quantized once the scale is agreed
+        m = np.multiply(SIGNED[qm[lo:hi]], sm[slot])
+        v = np.multiply(UNSIGNED[qv[lo:hi]], sv[slot])
+        adam_step(param[lo:hi], grad[lo:hi], m, v, step, config,
+                  np.empty(hi - lo, np.float32), divisor, kernel="numpy")  # fmt: skip
+        edges.spans.append((slot, lo, hi))
+        edges.moments.append((m, v))
+    return edges
+
+
+def edge_maxima(edges: Edges) -> list[tuple[float, float]]:
+    """This piece's largest magnitudes of each partial block's new moments."""
+    return [(float(np.max(np.abs(m))), float(np.max(np.abs(v)))) for m, v in edges.moments]
+
+
+def finish_edges(
+    edges: Edges, qm: np.ndarray, qv: np.ndarray, sm: np.ndarray, sv: np.ndarray,
+    offset: int, agreed: list[tuple[float, float]], block: int = BLOCK,
+) -> None:  # fmt: skip
+    """Quantize the partial blocks' moments with the ``agreed`` scales (per partial
+    block, the largest over every piece holding part of it)."""
+    for (slot, lo, hi), (m, v), (am, av) in zip(edges.spans, edges.moments, agreed,
+                                                 strict=True):  # fmt: skip
+        for x, q, scales, codes, a in ((m, qm, sm, SIGNED, am), (v, qv, sv, UNSIGNED, av)):
+            scales[slot] = a
+            quantize(x, offset + lo, scales[slot : slot + 1], codes, q[lo:hi], block)
+
+
+def _compiled():  # type: ignore[no-untyped-def]
+    from . import adam
+
+    k = adam._kernels
+    return k if k is not None and hasattr(k, "adam8") else None
+
+
+def _adam8_compiled(
+    param: np.ndarray, grad: np.ndarray, qm: np.ndarray, qv: np.ndarray, sm: np.ndarray,
+    sv: np.ndarray, step: int, c: object, divisor: float, block: int,
+) -> None:  # fmt: skip
+    from . import adam
+
+    bc1 = 1.0 - c.beta1**step  # type: ignore[attr-defined]
+    bc2 = 1.0 - c.beta2**step  # type: ignore[attr-defined]
+    adam._kernels.adam8(
+        param, grad, qm, qv, sm, sv, c.lr, c.beta1, c.beta2, c.eps,  # type: ignore[attr-defined]
+        c.weight_decay, c.decoupled, bc1, bc2, float(divisor), SIGNED,  # type: ignore[attr-defined]
+        MIDS[id(SIGNED)], UNSIGNED, MIDS[id(UNSIGNED)], block,
+    )
