@@ -16,11 +16,10 @@ as shipped) and ``--steps`` with it off (every gather blocking), in alternating 
 of each side, their ratio and the gathers served ahead per step. ``--toggle spares``
 switches the other thing instead: the released buckets' memory kept for the next
 gathers (:class:`zerompi.torch._units.Spares`, as shipped) or given back to the C
-library every time (off), with ``shard(keep_memory=False)`` (the allocator as it
-comes: with ``keep_memory`` there are no spares), or with ``--keep-memory`` under
-``shard()``'s default (the allocator keeping freed memory, the spares' limit set to
-the two largest buckets for the ``on`` side); it also prints the page faults per step
-of each side.
+library every time (off); it also prints the page faults per step of each side.
+``--toggle spares`` builds with ``shard(keep_memory=False)`` (the C allocator as it
+comes), or with ``--keep-memory`` under ``shard()``'s default (the allocator keeping
+freed memory, :mod:`zerompi.allocator`).
 """
 
 from __future__ import annotations
@@ -57,13 +56,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = make_model(args.arch, cfg)
     params = sum(p.numel() for p in model.parameters())
-    # Spares are what keeps gather memory where the allocator does not (keep_memory=False)
     model, opt = shard(model, stage=3, shared_memory=False, lr=3e-4, weight_decay=0.1,
                        keep_memory=args.toggle != "spares" or args.keep_memory)  # fmt: skip
     units = opt.units
     shipped, kept = list(units.worth), units.spares.limit
-    if args.keep_memory:  # (no spares then: the limit shard() gives them without it)
-        kept = 2 * max(f.numel() * f.element_size() for f in units.flats)
     vocab, step_no = cfg["vocab"], 0
 
     def one_step() -> tuple[float, int]:

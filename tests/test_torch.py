@@ -315,7 +315,7 @@ def test_stage_3_prefetch_learns_the_order_and_survives_a_change(comm: MPI.Intra
     for stage, shared in ((2, None), (3, False)):
         torch.manual_seed(0)
         model, opt = shard(Stack(), stage=stage, comm=comm, shared_memory=shared,
-                           bucket_elems=1, lr=1e-2, keep_memory=False)  # fmt: skip
+                           bucket_elems=1, lr=1e-2)  # fmt: skip
         units = opt.units
         if units is not None:
             units.worth = [True] * len(units.worth)
@@ -370,19 +370,6 @@ def test_stage_3_prefetch_learns_the_order_and_survives_a_change(comm: MPI.Intra
     if filled != (43, 45):
         problems.append(f"gathers given a spare's memory, of all: {filled}")
     assert_all(not problems, "\n".join(problems[:6]))
-
-
-def test_no_spares_where_the_allocator_keeps_freed_memory(comm: MPI.Intracomm) -> None:
-    """``shard()``'s default sets the allocator to keep freed memory
-    (:mod:`zerompi.allocator`), which serves gathers as well as anything else: stage
-    3 then keeps no spares of its own; ``keep_memory=False`` keeps them."""
-    limits = []
-    for keep in (True, False):
-        _, opt = shard(Stack(), stage=3, comm=comm, shared_memory=False, bucket_elems=1,
-                       keep_memory=keep)  # fmt: skip
-        limits.append(opt.units.spares.limit)
-        opt.close()
-    assert_all(limits[0] == 0 and limits[1] > 0, f"spares' limits {limits}")
 
 
 def test_spares_keep_released_memory_up_to_their_limit() -> None:

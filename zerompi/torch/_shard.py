@@ -264,7 +264,7 @@ def shard(
                          zero_config.replace(gather_buffers=False), comm=comm)  # fmt: skip
     _broadcast_rest(zero.comm, model, zero_config.precision.param_dtype)
     hand_over = GradientHooks(zero)
-    units, grad_views = _route(zero, model, named, hand_over, spares=not keep_memory)
+    units, grad_views = _route(zero, model, named, hand_over)
     zero.on_recovery.append(_rebinder(zero, named, units, grad_views, hand_over))
     engine = zero.engine
     torch_groups = [(i, [p for n, p in named if zero.param_group(n) == i])
@@ -275,11 +275,10 @@ def shard(
 
 def _route(
     zero: Any, model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]],
-    hand_over: GradientHooks, spares: bool = True,
+    hand_over: GradientHooks,
 ) -> tuple[Units | None, dict[torch.nn.Parameter, torch.Tensor] | None]:
     """Where parameters live and gradients go. Parameters: views of zerompi's full
-    (node) copy where it has one, else stage 3's per-bucket storages (:class:`Units`,
-    keeping ``spares``).
+    (node) copy where it has one, else stage 3's per-bucket storages (:class:`Units`).
     Gradients: ``.grad`` *is* zerompi's buffer at stages 0-1 when its dtype is the
     parameter's; otherwise a hook hands each one over as it is computed."""
     resident = zero.resident_params
@@ -290,7 +289,7 @@ def _route(
     if resident is None:
         for _, param in named:
             param.grad = None
-        return Units(zero, model, named, hand_over, spares), None
+        return Units(zero, model, named, hand_over), None
     _point(zero, named, grad_views)
     for name, param in named:
         if grad_views is not None:

@@ -71,14 +71,9 @@ class Units:
     def __init__(
         self, zero: Any, model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]],
         hand_over: Callable[[str], Callable[[torch.nn.Parameter], None]],
-        spares: bool = True,
     ) -> None:  # fmt: skip
         self.zero = zero
         self.named = named
-        #: Whether released buckets' memory is kept as :class:`Spares`: not where the
-        #: C allocator keeps freed memory anyway (``shard(keep_memory=True)``), which
-        #: serves every later request, not only gathers.
-        self.keep_spares = spares
         self.prefetched = 0  # gathers served by a prefetch (tests, reports)
         self.reused = 0  # gathers saved by keeping a bucket the order needed next
         self.gathers = 0  # storages filled by a gather, prefetches included (reports)
@@ -135,8 +130,8 @@ class Units:
         self.following = False  # this step has kept to the order so far
         self.kept = -1  # a bucket not freed because the order gathers it next, or -1
         #: freed bucket memory kept for the next gathers (at most the largest two)
-        largest = max((f.numel() * f.element_size() for f in self.flats), default=0)
-        self.spares = Spares(2 * largest if self.keep_spares else 0)
+        self.spares = Spares(2 * max((f.numel() * f.element_size() for f in self.flats),
+                                     default=0))  # fmt: skip
         for flat in self.flats:
             flat.untyped_storage().resize_(0)
         for index in range(count):
