@@ -969,14 +969,18 @@ done:
  * dequantized (codes[q] * scale, float32), stepped with ADAM_LOOP's arithmetic in
  * its order (bit for bit the numpy path's), its new largest magnitudes the new
  * scales, and re-quantized to the nearest code, ties to the lower: the count of
- * midpoints below q / scale (an 8-step search of the 255 midpoints). */
+ * midpoints below y = x / scale, found from a table (km, kv) indexed by y's top 15
+ * bits (sign, exponent, 6 mantissa bits) that holds the count of midpoints below the
+ * smallest float with those bits, then a step up while the next midpoint is below y
+ * (at most a few: a table entry spans 1/64 of a binade). */
 static void
 adam8_f32(float *restrict p, const float *restrict g, uint8_t *restrict qm,
           uint8_t *restrict qv, float *restrict sm, float *restrict sv, Py_ssize_t nblocks,
           Py_ssize_t block, double lr_, double b1_, double b2_, double eps_, double wd_,
           int decoupled, double bc1_, double bc2_, double div_, const float *restrict cm,
           const float *restrict mm, const float *restrict cv, const float *restrict mv,
-          int zm, int zv, float *restrict tm, float *restrict tv)
+          const uint8_t *restrict km, const uint8_t *restrict kv, int zm, int zv,
+          float *restrict tm, float *restrict tv)
 {
     const float lr = (float)lr_, b1 = (float)b1_, b2 = (float)b2_, eps = (float)eps_;
     const float omb1 = (float)(1.0 - b1_), omb2 = (float)(1.0 - b2_);
@@ -1010,17 +1014,15 @@ adam8_f32(float *restrict p, const float *restrict g, uint8_t *restrict qm,
             int k = zm;
             if (mx != 0.0f) {
                 const float y = tm[i] / mx;
-                k = 0;
-                for (int step = 128; step; step >>= 1)
-                    if (mm[k + step - 1] < y) k += step;
+                k = km[f32_bits(y) >> 17];
+                while (k < 255 && mm[k] < y) k++;
             }
             qm[at + i] = (uint8_t)k;
             k = zv;
             if (vx != 0.0f) {
                 const float y = tv[i] / vx;
-                k = 0;
-                for (int step = 128; step; step >>= 1)
-                    if (mv[k + step - 1] < y) k += step;
+                k = kv[f32_bits(y) >> 17];
+                while (k < 255 && mv[k] < y) k++;
             }
             qv[at + i] = (uint8_t)k;
         }
@@ -1052,27 +1054,28 @@ get_typed(PyObject *obj, Py_buffer *view, Py_ssize_t n, char fmt, Py_ssize_t ite
 
 PyDoc_STRVAR(adam8_doc,
 "adam8(param, grad, qm, qv, sm, sv, lr, beta1, beta2, eps, weight_decay, decoupled,\n"
-"      bc1, bc2, divisor, codes_m, mids_m, codes_v, mids_v, block)\n\n"
+"      bc1, bc2, divisor, codes_m, mids_m, codes_v, mids_v, table_m, table_v, block)\n\n"
 "8-bit Adam on whole blocks: param, grad float32 (a multiple of block elements), qm,\n"
 "qv uint8 of as many, sm, sv float32 scales (one per block), the codes (256) and\n"
-"midpoints (255) of each map, float32. In place; grad is read only.");
+"midpoints (255) of each map, float32, and each map's search table (32768 uint8:\n"
+"zerompi.quant.search_table). In place; grad is read only.");
 
 static PyObject *
 adam8(PyObject *self, PyObject *args)
 {
-    PyObject *o[11];
+    PyObject *o[12];
     double lr, b1, b2, eps, wd, bc1, bc2, div;
     int decoupled;
     Py_ssize_t block;
-    if (!PyArg_ParseTuple(args, "OOOOOOdddddpdddOOOOn", &o[0], &o[1], &o[2], &o[3], &o[4],
+    if (!PyArg_ParseTuple(args, "OOOOOOdddddpdddOOOOOOn", &o[0], &o[1], &o[2], &o[3], &o[4],
                           &o[5], &lr, &b1, &b2, &eps, &wd, &decoupled, &bc1, &bc2, &div,
-                          &o[6], &o[7], &o[8], &o[9], &block))
+                          &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &block))
         return NULL;
     if (block < 1 || block > 1 << 16) {
         PyErr_Format(PyExc_ValueError, "block must be 1 to 65536, got %zd", block);
         return NULL;
     }
-    Py_buffer v[10];
+    Py_buffer v[12];
     int got = 0;
     PyObject *result = NULL;
     float *tmp = NULL;
@@ -1084,11 +1087,12 @@ adam8(PyObject *self, PyObject *args)
                      block);
         goto done;
     }
-    const char fmts[10] = {'f', 'f', 'B', 'B', 'f', 'f', 'f', 'f', 'f', 'f'};
-    const Py_ssize_t sizes[10] = {n, n, n, n, n / block, n / block, 256, 255, 256, 255};
-    const char *names[10] = {"param", "grad", "qm", "qv", "sm", "sv", "codes_m", "mids_m",
-                             "codes_v", "mids_v"};
-    for (; got < 10; got++)
+    const char fmts[12] = {'f', 'f', 'B', 'B', 'f', 'f', 'f', 'f', 'f', 'f', 'B', 'B'};
+    const Py_ssize_t sizes[12] = {n,   n,   n,   n,   n / block, n / block,
+                                  256, 255, 256, 255, 32768,     32768};
+    const char *names[12] = {"param",  "grad",    "qm",     "qv",      "sm",      "sv",
+                             "codes_m", "mids_m", "codes_v", "mids_v", "table_m", "table_v"};
+    for (; got < 12; got++)
         if (get_typed(o[got], &v[got], sizes[got], fmts[got], fmts[got] == 'B' ? 1 : 4,
                       got != 1 && got < 6, names[got]) < 0)
             goto done;
@@ -1105,8 +1109,8 @@ adam8(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     adam8_f32(v[0].buf, v[1].buf, v[2].buf, v[3].buf, v[4].buf, v[5].buf, n / block, block,
-              lr, b1, b2, eps, wd, decoupled, bc1, bc2, div, cm, v[7].buf, cv, v[9].buf, zm,
-              zv, tmp, tmp + block);
+              lr, b1, b2, eps, wd, decoupled, bc1, bc2, div, cm, v[7].buf, cv, v[9].buf,
+              v[10].buf, v[11].buf, zm, zv, tmp, tmp + block);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None);
     result = Py_None;

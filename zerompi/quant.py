@@ -62,6 +62,21 @@ def midpoints(codes: np.ndarray) -> np.ndarray:
 MIDS = {id(SIGNED): midpoints(SIGNED), id(UNSIGNED): midpoints(UNSIGNED)}
 
 
+def search_table(mids: np.ndarray) -> np.ndarray:
+    """For the compiled search: per value of a float32's top 15 bits (sign, exponent,
+    six mantissa bits), the count of ``mids`` below the smallest float with those
+    bits, where the search for the count of midpoints below ``y`` starts."""
+    keys = np.arange(1 << 15, dtype=np.uint32)
+    negative = keys >= 1 << 14
+    smallest = np.where(negative, (keys << 17) | 0x1FFFF, keys << 17).view(np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.searchsorted(mids, smallest, side="left").astype(np.uint8)
+
+
+TABLES = {id(SIGNED): search_table(MIDS[id(SIGNED)]),
+          id(UNSIGNED): search_table(MIDS[id(UNSIGNED)])}  # fmt: skip
+
+
 def blocks_of(offset: int, n: int, block: int = BLOCK) -> tuple[int, int]:
     """``(first, stop)``: the blocks that elements ``offset ... offset + n`` of the
     flat array touch (none for ``n == 0``)."""
@@ -238,5 +253,6 @@ def _adam8_compiled(
     adam._kernels.adam8(
         param, grad, qm, qv, sm, sv, c.lr, c.beta1, c.beta2, c.eps,  # type: ignore[attr-defined]
         c.weight_decay, c.decoupled, bc1, bc2, float(divisor), SIGNED,  # type: ignore[attr-defined]
-        MIDS[id(SIGNED)], UNSIGNED, MIDS[id(UNSIGNED)], block,
+        MIDS[id(SIGNED)], UNSIGNED, MIDS[id(UNSIGNED)], TABLES[id(SIGNED)],
+        TABLES[id(UNSIGNED)], block,
     )
