@@ -3,6 +3,7 @@ stage 3 (or 2) through node memory with ``overlap=False``, alternated in one run
 
     mpiexec -n 2 python scripts/ends_ab.py [--size 64e6] [--rounds 6] [--steps 4]
                                            [--arch gpt|llama] [--stage 3]
+                                           [--first ends|after]
 
 The whole-step bench's model (:func:`zerompi.bench.gpt.gpt_config`) built twice with
 the same weights, each through ``shard(stage=..., overlap=False)`` on one node: one
@@ -12,8 +13,10 @@ after the other do not fit side by side), one with the node fence after every su
 (``zerompi.reducer.ENDS = False`` while it is built: two fences per bucket). Each
 round times ``--steps`` steps of each, in alternating order, after two untimed steps
 of each. A step: forward, backward, ``step()``, ``zero_grad()``, from a barrier to
-its end, the slowest rank. Prints the median step of each, their ratio, the node
-fences per step of each, and whether the two models' losses agreed bit for bit.
+its end, the slowest rank. The optimizer built second measured 1.5-3 % slower here
+whichever it was (where its memory lies), so ``--first`` swaps them: run both.
+Prints the median step of each, their ratio, the node fences per step of each, and
+whether the two models' losses agreed bit for bit.
 """
 
 from __future__ import annotations
@@ -52,13 +55,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--first", choices=("ends", "after"), default="ends",
+                   help="which optimizer is built first (the second measured 1.5-3 %% "
+                   "slower either way here: run both)")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)
     cfg = gpt_config(args.size, args.seq)
     Comm.fence = counted_fence(Comm.fence)  # type: ignore[method-assign]
     built = {}
-    for side in ("ends", "fence after"):
+    for side in ("ends", "fence after") if args.first == "ends" else ("fence after", "ends"):
         reducer.ENDS = side == "ends"
         torch.manual_seed(0)
         model = make_model(args.arch, cfg)
@@ -102,6 +108,7 @@ def main() -> None:
     if comm.rank == 0:
         ends, after = (1e3 * statistics.median(times[s]) for s in sides)
         print(f"ends A/B: {args.arch}, {params:,} params, stage {args.stage}, overlap=False, "
+              f"built first: {args.first}, "
               f"W={comm.size}, {args.rounds} rounds x {args.steps} steps per side, "
               f"alternated")  # fmt: skip
         print(f"median step ms: ends {ends:.1f}, fence after {after:.1f}, ends/after "
