@@ -319,6 +319,79 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
         *sumsq = total;                                                                  \
     }
 
+/* 8-bit Adam (zerompi.quant.adam8_step): whole blocks of `block` elements, each
+ * dequantized (codes[q] * scale, float32), stepped with ADAM_LOOP's arithmetic in
+ * its order (bit for bit the numpy path's), its new largest magnitudes the new
+ * scales, and re-quantized to the nearest code, ties to the lower: the count of
+ * midpoints below y = x / scale, found from a table (km, kv) indexed by y's top 15
+ * bits (sign, exponent, 6 mantissa bits) that holds the count of midpoints below the
+ * smallest float with those bits, then two steps up where the next midpoint is below
+ * y (a table entry's range holds at most two midpoints; the midpoints are padded with
+ * +inf to 257). Branch-free inner loops, so each variant's compiler vectorizes them
+ * (gathers for the codes, the table and the midpoints). */
+#define ADAM8_LOOP(NAME, ATTR)                                                            \
+    ATTR static void NAME(                                                                \
+        float *restrict p, const float *restrict g, uint8_t *restrict qm,                 \
+        uint8_t *restrict qv, float *restrict sm, float *restrict sv, Py_ssize_t nblocks, \
+        Py_ssize_t block, double lr_, double b1_, double b2_, double eps_, double wd_,    \
+        int decoupled, double bc1_, double bc2_, double div_, const float *restrict cm,   \
+        const float *restrict mm, const float *restrict cv, const float *restrict mv,     \
+        const uint8_t *restrict km, const uint8_t *restrict kv, int zm, int zv,           \
+        float *restrict tm, float *restrict tv) {                                         \
+        const float lr = (float)lr_, b1 = (float)b1_, b2 = (float)b2_, eps = (float)eps_; \
+        const float omb1 = (float)(1.0 - b1_), omb2 = (float)(1.0 - b2_);                 \
+        const float wd = (float)wd_, bc1 = (float)bc1_, bc2 = (float)bc2_;                \
+        const float div = (float)div_;                                                    \
+        const float dv = div_ != 1.0 ? div : 1.0f;                                        \
+        const float l2 = wd_ != 0.0 && !decoupled ? wd : 0.0f;                            \
+        const float dec = wd_ != 0.0 && decoupled ? wd : 0.0f;                            \
+        for (Py_ssize_t b = 0; b < nblocks; b++) {                                        \
+            const Py_ssize_t at = b * block;                                              \
+            float *restrict pb = p + at;                                                  \
+            const float *restrict gb = g + at;                                            \
+            uint8_t *restrict qmb = qm + at, *restrict qvb = qv + at;                     \
+            const float ms = sm[b], vs = sv[b];                                           \
+            uint32_t mxb = 0, vxb = 0; /* |x|'s bits order as |x| does: an integer max */ \
+            for (Py_ssize_t i = 0; i < block; i++) {                                      \
+                const float pi = pb[i];                                                   \
+                const float gi = gb[i] / dv + pi * l2;                                    \
+                const float mi = (cm[qmb[i]] * ms) * b1 + gi * omb1;                      \
+                const float vi = (cv[qvb[i]] * vs) * b2 + (gi * gi) * omb2;               \
+                const float u = (mi / bc1) / (sqrtf(vi / bc2) + eps) + pi * dec;          \
+                pb[i] = pi - u * lr;                                                      \
+                tm[i] = mi;                                                               \
+                tv[i] = vi;                                                               \
+                const uint32_t am = f32_bits(mi) & 0x7fffffffu;                           \
+                const uint32_t av = f32_bits(vi) & 0x7fffffffu;                           \
+                mxb = am > mxb ? am : mxb;                                                \
+                vxb = av > vxb ? av : vxb;                                                \
+            }                                                                             \
+            const float mx = bits_f32(mxb), vx = bits_f32(vxb);                           \
+            sm[b] = mx;                                                                   \
+            sv[b] = vx;                                                                   \
+            const float rm = mx != 0.0f ? mx : 1.0f, rv = vx != 0.0f ? vx : 1.0f;         \
+            for (Py_ssize_t i = 0; i < block; i++) {                                      \
+                const float y = tm[i] / rm;                                               \
+                int k = km[f32_bits(y) >> 17];                                            \
+                k += mm[k] < y;                                                           \
+                k += mm[k] < y;                                                           \
+                qmb[i] = (uint8_t)(mx != 0.0f ? k : zm);                                  \
+                const float w = tv[i] / rv;                                               \
+                int j = kv[f32_bits(w) >> 17];                                            \
+                j += mv[j] < w;                                                           \
+                j += mv[j] < w;                                                           \
+                qvb[i] = (uint8_t)(vx != 0.0f ? j : zv);                                  \
+            }                                                                             \
+        }                                                                                 \
+    }
+
+typedef void (*adam8_fn)(float *restrict, const float *restrict, uint8_t *restrict,
+                         uint8_t *restrict, float *restrict, float *restrict, Py_ssize_t,
+                         Py_ssize_t, double, double, double, double, double, int, double,
+                         double, double, const float *restrict, const float *restrict,
+                         const float *restrict, const float *restrict,
+                         const uint8_t *restrict, const uint8_t *restrict, int, int,
+                         float *restrict, float *restrict);
 typedef void (*adam_f32_fn)(float *restrict, const float *restrict, float *restrict,
                             float *restrict, Py_ssize_t, double, double, double, double,
                             double, int, double, double, double);
@@ -369,7 +442,8 @@ typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int,
     STATS_LOOP(stats_float_##SUFFIX, ATTR, float)                             \
     STATS_LOOP(stats_double_##SUFFIX, ATTR, double)                           \
     SUM_LOOP(sum_float_##SUFFIX, ATTR, float)                                 \
-    SUM_LOOP(sum_double_##SUFFIX, ATTR, double)
+    SUM_LOOP(sum_double_##SUFFIX, ATTR, double)                               \
+    ADAM8_LOOP(adam8_float_##SUFFIX, ATTR)
 
 #ifdef HAVE_AVX512F
 VARIANT_LOOPS(avx512f, __attribute__((target("avx512f"))))
@@ -389,6 +463,7 @@ static stats_f32_fn stats_float_v[N_VARIANTS];
 static stats_f64_fn stats_double_v[N_VARIANTS];
 static sum_f32_fn sum_float_v[N_VARIANTS];
 static sum_f64_fn sum_double_v[N_VARIANTS];
+static adam8_fn adam8_float_v[N_VARIANTS];
 /* [variant][0: bfloat16, 1: float16] */
 static round_f32_fn round_float_v[N_VARIANTS][2];
 static round_sr_f32_fn round_sr_float_v[N_VARIANTS];
@@ -419,6 +494,7 @@ static round_f64_fn round_double_v[N_VARIANTS][2];
         stats_double_v[V] = stats_double_##SUFFIX;            \
         sum_float_v[V] = sum_float_##SUFFIX;                  \
         sum_double_v[V] = sum_double_##SUFFIX;                \
+        adam8_float_v[V] = adam8_float_##SUFFIX;              \
         variant_built[V] = 1;                                 \
     } while (0)
 
@@ -450,6 +526,95 @@ acc_float_f16_f16c(float *restrict out, const uint16_t *restrict part, Py_ssize_
 }
 #endif
 
+
+#ifdef HAVE_AVX512F
+/* ADAM8_LOOP by hand for AVX-512 (the compiler does not use gather instructions when
+ * tuning for a generic x86-64): the same operations in the same order, 16 elements
+ * at a time, so the same bits. The codes and the midpoints are gathered as floats; the
+ * search table is gathered as 32-bit words at byte offsets (three bytes of padding
+ * after it) and masked to its byte. Blocks of a multiple of 16 elements only: others
+ * take the compiled loop of the macro. */
+__attribute__((target("avx512f"))) static void
+adam8_float_avx512i(float *restrict p, const float *restrict g, uint8_t *restrict qm,
+                    uint8_t *restrict qv, float *restrict sm, float *restrict sv,
+                    Py_ssize_t nblocks, Py_ssize_t block, double lr_, double b1_, double b2_,
+                    double eps_, double wd_, int decoupled, double bc1_, double bc2_,
+                    double div_, const float *restrict cm, const float *restrict mm,
+                    const float *restrict cv, const float *restrict mv,
+                    const uint8_t *restrict km, const uint8_t *restrict kv, int zm, int zv,
+                    float *restrict tm, float *restrict tv)
+{
+    if (block % 16) {
+        adam8_float_avx512f(p, g, qm, qv, sm, sv, nblocks, block, lr_, b1_, b2_, eps_, wd_,
+                            decoupled, bc1_, bc2_, div_, cm, mm, cv, mv, km, kv, zm, zv, tm,
+                            tv);
+        return;
+    }
+    const __m512 lr = _mm512_set1_ps((float)lr_), b1 = _mm512_set1_ps((float)b1_);
+    const __m512 b2 = _mm512_set1_ps((float)b2_), eps = _mm512_set1_ps((float)eps_);
+    const __m512 omb1 = _mm512_set1_ps((float)(1.0 - b1_));
+    const __m512 omb2 = _mm512_set1_ps((float)(1.0 - b2_));
+    const __m512 bc1 = _mm512_set1_ps((float)bc1_), bc2 = _mm512_set1_ps((float)bc2_);
+    const __m512 dv = _mm512_set1_ps(div_ != 1.0 ? (float)div_ : 1.0f);
+    const __m512 l2 = _mm512_set1_ps(wd_ != 0.0 && !decoupled ? (float)wd_ : 0.0f);
+    const __m512 dec = _mm512_set1_ps(wd_ != 0.0 && decoupled ? (float)wd_ : 0.0f);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), byte = _mm512_set1_epi32(0xff);
+    const __m512i one = _mm512_set1_epi32(1);
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        const Py_ssize_t at = b * block;
+        const __m512 ms = _mm512_set1_ps(sm[b]), vs = _mm512_set1_ps(sv[b]);
+        __m512i mxb = _mm512_setzero_si512(), vxb = _mm512_setzero_si512();
+        for (Py_ssize_t i = 0; i < block; i += 16) {
+            const __m512 pi = _mm512_loadu_ps(p + at + i);
+            __m512 gi = _mm512_div_ps(_mm512_loadu_ps(g + at + i), dv);
+            gi = _mm512_add_ps(gi, _mm512_mul_ps(pi, l2));
+            const __m512i im = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qm + at + i)));
+            const __m512i iv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qv + at + i)));
+            const __m512 m0 = _mm512_mul_ps(_mm512_i32gather_ps(im, cm, 4), ms);
+            const __m512 v0 = _mm512_mul_ps(_mm512_i32gather_ps(iv, cv, 4), vs);
+            const __m512 mi = _mm512_add_ps(_mm512_mul_ps(m0, b1), _mm512_mul_ps(gi, omb1));
+            const __m512 vi = _mm512_add_ps(_mm512_mul_ps(v0, b2),
+                                            _mm512_mul_ps(_mm512_mul_ps(gi, gi), omb2));
+            __m512 u = _mm512_div_ps(_mm512_div_ps(mi, bc1),
+                                     _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vi, bc2)), eps));
+            u = _mm512_add_ps(u, _mm512_mul_ps(pi, dec));
+            _mm512_storeu_ps(p + at + i, _mm512_sub_ps(pi, _mm512_mul_ps(u, lr)));
+            _mm512_storeu_ps(tm + i, mi);
+            _mm512_storeu_ps(tv + i, vi);
+            mxb = _mm512_max_epu32(mxb, _mm512_and_si512(_mm512_castps_si512(mi), abs_mask));
+            vxb = _mm512_max_epu32(vxb, _mm512_and_si512(_mm512_castps_si512(vi), abs_mask));
+        }
+        const float mx = bits_f32(_mm512_reduce_max_epu32(mxb));
+        const float vx = bits_f32(_mm512_reduce_max_epu32(vxb));
+        sm[b] = mx;
+        sv[b] = vx;
+        const __m512 rm = _mm512_set1_ps(mx != 0.0f ? mx : 1.0f);
+        const __m512 rv = _mm512_set1_ps(vx != 0.0f ? vx : 1.0f);
+        const __m512i zmv = _mm512_set1_epi32(zm), zvv = _mm512_set1_epi32(zv);
+        for (Py_ssize_t i = 0; i < block; i += 16) {
+            const __m512 y = _mm512_div_ps(_mm512_loadu_ps(tm + i), rm);
+            __m512i k = _mm512_srli_epi32(_mm512_castps_si512(y), 17);
+            k = _mm512_and_si512(_mm512_i32gather_epi32(k, km, 1), byte);
+            k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(_mm512_i32gather_ps(k, mm, 4), y,
+                                                            _CMP_LT_OQ), k, one);
+            k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(_mm512_i32gather_ps(k, mm, 4), y,
+                                                            _CMP_LT_OQ), k, one);
+            if (mx == 0.0f) k = zmv;
+            _mm_storeu_si128((__m128i *)(qm + at + i), _mm512_cvtepi32_epi8(k));
+            const __m512 w = _mm512_div_ps(_mm512_loadu_ps(tv + i), rv);
+            __m512i j = _mm512_srli_epi32(_mm512_castps_si512(w), 17);
+            j = _mm512_and_si512(_mm512_i32gather_epi32(j, kv, 1), byte);
+            j = _mm512_mask_add_epi32(j, _mm512_cmp_ps_mask(_mm512_i32gather_ps(j, mv, 4), w,
+                                                            _CMP_LT_OQ), j, one);
+            j = _mm512_mask_add_epi32(j, _mm512_cmp_ps_mask(_mm512_i32gather_ps(j, mv, 4), w,
+                                                            _CMP_LT_OQ), j, one);
+            if (vx == 0.0f) j = zvv;
+            _mm_storeu_si128((__m128i *)(qv + at + i), _mm512_cvtepi32_epi8(j));
+        }
+    }
+}
+#endif
+
 static void
 init_variants(void)
 {
@@ -465,6 +630,7 @@ init_variants(void)
     }
 #ifdef HAVE_AVX512F
     REGISTER(V_AVX512F, avx512f);
+    adam8_float_v[V_AVX512F] = adam8_float_avx512i;
     variant_supported[V_AVX512F] = __builtin_cpu_supports("avx512f") != 0;
     if (__builtin_cpu_supports("f16c")) {
         round_float_v[V_AVX512F][1] = round_float_f16_f16c;
@@ -965,70 +1131,6 @@ done:
 }
 
 
-/* 8-bit Adam (zerompi.quant.adam8_step): whole blocks of `block` elements, each
- * dequantized (codes[q] * scale, float32), stepped with ADAM_LOOP's arithmetic in
- * its order (bit for bit the numpy path's), its new largest magnitudes the new
- * scales, and re-quantized to the nearest code, ties to the lower: the count of
- * midpoints below y = x / scale, found from a table (km, kv) indexed by y's top 15
- * bits (sign, exponent, 6 mantissa bits) that holds the count of midpoints below the
- * smallest float with those bits, then a step up while the next midpoint is below y
- * (at most a few: a table entry spans 1/64 of a binade). */
-static void
-adam8_f32(float *restrict p, const float *restrict g, uint8_t *restrict qm,
-          uint8_t *restrict qv, float *restrict sm, float *restrict sv, Py_ssize_t nblocks,
-          Py_ssize_t block, double lr_, double b1_, double b2_, double eps_, double wd_,
-          int decoupled, double bc1_, double bc2_, double div_, const float *restrict cm,
-          const float *restrict mm, const float *restrict cv, const float *restrict mv,
-          const uint8_t *restrict km, const uint8_t *restrict kv, int zm, int zv,
-          float *restrict tm, float *restrict tv)
-{
-    const float lr = (float)lr_, b1 = (float)b1_, b2 = (float)b2_, eps = (float)eps_;
-    const float omb1 = (float)(1.0 - b1_), omb2 = (float)(1.0 - b2_);
-    const float wd = (float)wd_, bc1 = (float)bc1_, bc2 = (float)bc2_, div = (float)div_;
-    const int divide = div_ != 1.0, l2 = wd_ != 0.0 && !decoupled,
-              dec = wd_ != 0.0 && decoupled;
-    for (Py_ssize_t b = 0; b < nblocks; b++) {
-        const Py_ssize_t at = b * block;
-        const float ms = sm[b], vs = sv[b];
-        float mx = 0.0f, vx = 0.0f;
-        for (Py_ssize_t i = 0; i < block; i++) {
-            float gi = g[at + i];
-            const float pi = p[at + i];
-            if (divide) gi = gi / div;
-            if (l2) gi = gi + pi * wd;
-            const float m0 = cm[qm[at + i]] * ms, v0 = cv[qv[at + i]] * vs;
-            const float mi = m0 * b1 + gi * omb1;
-            const float vi = v0 * b2 + (gi * gi) * omb2;
-            float u = (mi / bc1) / (sqrtf(vi / bc2) + eps);
-            if (dec) u = u + pi * wd;
-            p[at + i] = pi - u * lr;
-            tm[i] = mi;
-            tv[i] = vi;
-            const float am = fabsf(mi), av = fabsf(vi);
-            mx = am > mx ? am : mx;
-            vx = av > vx ? av : vx;
-        }
-        sm[b] = mx;
-        sv[b] = vx;
-        for (Py_ssize_t i = 0; i < block; i++) {
-            int k = zm;
-            if (mx != 0.0f) {
-                const float y = tm[i] / mx;
-                k = km[f32_bits(y) >> 17];
-                while (k < 255 && mm[k] < y) k++;
-            }
-            qm[at + i] = (uint8_t)k;
-            k = zv;
-            if (vx != 0.0f) {
-                const float y = tv[i] / vx;
-                k = kv[f32_bits(y) >> 17];
-                while (k < 255 && mv[k] < y) k++;
-            }
-            qv[at + i] = (uint8_t)k;
-        }
-    }
-}
-
 /* A contiguous array of `n` elements of one-byte format `fmt` ('B' or 'f' with
  * itemsize), or -1 with an exception. */
 static int
@@ -1057,20 +1159,30 @@ PyDoc_STRVAR(adam8_doc,
 "      bc1, bc2, divisor, codes_m, mids_m, codes_v, mids_v, table_m, table_v, block)\n\n"
 "8-bit Adam on whole blocks: param, grad float32 (a multiple of block elements), qm,\n"
 "qv uint8 of as many, sm, sv float32 scales (one per block), the codes (256) and\n"
-"midpoints (255) of each map, float32, and each map's search table (32768 uint8:\n"
-"zerompi.quant.search_table). In place; grad is read only.");
+"midpoints (255, then two +inf: 257) of each map, float32, and each map's search\n"
+"table (32768 uint8 and 3 of padding: zerompi.quant.search_table). In place; grad\n"
+"is read only.\n"
+"variant as for adam().");
 
 static PyObject *
-adam8(PyObject *self, PyObject *args)
+adam8(PyObject *self, PyObject *args, PyObject *kwargs)
 {
+    static char *kwlist[] = {"param", "grad", "qm", "qv", "sm", "sv", "lr", "beta1", "beta2",
+                             "eps", "weight_decay", "decoupled", "bc1", "bc2", "divisor",
+                             "codes_m", "mids_m", "codes_v", "mids_v", "table_m", "table_v",
+                             "block", "variant", NULL};
     PyObject *o[12];
     double lr, b1, b2, eps, wd, bc1, bc2, div;
     int decoupled;
     Py_ssize_t block;
-    if (!PyArg_ParseTuple(args, "OOOOOOdddddpdddOOOOOOn", &o[0], &o[1], &o[2], &o[3], &o[4],
-                          &o[5], &lr, &b1, &b2, &eps, &wd, &decoupled, &bc1, &bc2, &div,
-                          &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &block))
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOdddddpdddOOOOOOn|$z", kwlist, &o[0],
+                                     &o[1], &o[2], &o[3], &o[4], &o[5], &lr, &b1, &b2, &eps,
+                                     &wd, &decoupled, &bc1, &bc2, &div, &o[6], &o[7], &o[8],
+                                     &o[9], &o[10], &o[11], &block, &variant_name))
         return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
     if (block < 1 || block > 1 << 16) {
         PyErr_Format(PyExc_ValueError, "block must be 1 to 65536, got %zd", block);
         return NULL;
@@ -1089,7 +1201,7 @@ adam8(PyObject *self, PyObject *args)
     }
     const char fmts[12] = {'f', 'f', 'B', 'B', 'f', 'f', 'f', 'f', 'f', 'f', 'B', 'B'};
     const Py_ssize_t sizes[12] = {n,   n,   n,   n,   n / block, n / block,
-                                  256, 255, 256, 255, 32768,     32768};
+                                  256, 257, 256, 257, 32771,     32771};
     const char *names[12] = {"param",  "grad",    "qm",     "qv",      "sm",      "sv",
                              "codes_m", "mids_m", "codes_v", "mids_v", "table_m", "table_v"};
     for (; got < 12; got++)
@@ -1108,7 +1220,7 @@ adam8(PyObject *self, PyObject *args)
         if (cv[i] == 0.0f) zv = i;
     }
     Py_BEGIN_ALLOW_THREADS
-    adam8_f32(v[0].buf, v[1].buf, v[2].buf, v[3].buf, v[4].buf, v[5].buf, n / block, block,
+    adam8_float_v[variant](v[0].buf, v[1].buf, v[2].buf, v[3].buf, v[4].buf, v[5].buf, n / block, block,
               lr, b1, b2, eps, wd, decoupled, bc1, bc2, div, cm, v[7].buf, cv, v[9].buf,
               v[10].buf, v[11].buf, zm, zv, tmp, tmp + block);
     Py_END_ALLOW_THREADS
@@ -1175,7 +1287,7 @@ static PyMethodDef methods[] = {
      accumulate_doc},
     {"sum_parts", (PyCFunction)(void (*)(void))sum_parts, METH_VARARGS | METH_KEYWORDS,
      sum_parts_doc},
-    {"adam8", adam8, METH_VARARGS, adam8_doc},
+    {"adam8", (PyCFunction)(void (*)(void))adam8, METH_VARARGS | METH_KEYWORDS, adam8_doc},
     {"variants", variants, METH_NOARGS, variants_doc},
     {"compiled", compiled, METH_NOARGS, compiled_doc},
     {NULL, NULL, 0, NULL},

@@ -65,16 +65,21 @@ MIDS = {id(SIGNED): midpoints(SIGNED), id(UNSIGNED): midpoints(UNSIGNED)}
 def search_table(mids: np.ndarray) -> np.ndarray:
     """For the compiled search: per value of a float32's top 15 bits (sign, exponent,
     six mantissa bits), the count of ``mids`` below the smallest float with those
-    bits, where the search for the count of midpoints below ``y`` starts."""
+    bits, where the search for the count of midpoints below ``y`` starts; then three
+    bytes of padding (the AVX-512 loop reads four bytes from each entry)."""
     keys = np.arange(1 << 15, dtype=np.uint32)
     negative = keys >= 1 << 14
     smallest = np.where(negative, (keys << 17) | 0x1FFFF, keys << 17).view(np.float32)
     with np.errstate(invalid="ignore"):
-        return np.searchsorted(mids, smallest, side="left").astype(np.uint8)
+        found = np.searchsorted(mids, smallest, side="left").astype(np.uint8)
+    return np.append(found, np.zeros(3, np.uint8))  # (read 4 bytes at a time)
 
 
 TABLES = {id(SIGNED): search_table(MIDS[id(SIGNED)]),
           id(UNSIGNED): search_table(MIDS[id(UNSIGNED)])}  # fmt: skip
+#: The midpoints padded with two +inf (the compiled search's two steps past a table
+#: entry never read beyond them).
+PADDED = {k: np.append(m, np.float32([np.inf, np.inf])) for k, m in MIDS.items()}
 
 
 def blocks_of(offset: int, n: int, block: int = BLOCK) -> tuple[int, int]:
@@ -167,6 +172,7 @@ def adam8_step(
     param: np.ndarray, grad: np.ndarray, qm: np.ndarray, qv: np.ndarray,
     sm: np.ndarray, sv: np.ndarray, offset: int, step: int, config: object,
     divisor: float = 1.0, block: int = BLOCK, kernel: str | None = None,
+    variant: str | None = None,
 ) -> Edges:  # fmt: skip
     """Adam/AdamW (:func:`zerompi.adam.adam_step`'s arithmetic) on a piece of the
     flat float32 parameters starting at global element ``offset``, its moments held
@@ -174,8 +180,8 @@ def adam8_step(
     blocks the piece touches). Each block is dequantized, stepped in float32 and
     re-quantized with its new largest magnitude; a block held only in part is stepped
     and left in the returned :class:`Edges` for :func:`finish_edges` once its scale
-    is agreed. ``grad`` is consumed. ``kernel`` as for ``adam_step`` (the compiled
-    loop takes the whole blocks)."""
+    is agreed. ``grad`` is consumed. ``kernel`` and ``variant`` as for ``adam_step``
+    (the compiled loop takes the whole blocks)."""
     from .adam import KERNEL, adam_step
 
     n = param.shape[0]
@@ -191,7 +197,7 @@ def adam8_step(
         if use_c:
             _adam8_compiled(param[head:tail], grad[head:tail], qm[head:tail], qv[head:tail],
                             sm[lo_slot:lo_slot + nb], sv[lo_slot:lo_slot + nb], step, config,
-                            divisor, block)  # fmt: skip
+                            divisor, block, variant)  # fmt: skip
         else:
             m = np.empty(block, np.float32)
             v = np.empty(block, np.float32)
@@ -244,7 +250,7 @@ def _compiled():  # type: ignore[no-untyped-def]
 
 def _adam8_compiled(
     param: np.ndarray, grad: np.ndarray, qm: np.ndarray, qv: np.ndarray, sm: np.ndarray,
-    sv: np.ndarray, step: int, c: object, divisor: float, block: int,
+    sv: np.ndarray, step: int, c: object, divisor: float, block: int, variant: str | None,
 ) -> None:  # fmt: skip
     from . import adam
 
@@ -253,6 +259,6 @@ def _adam8_compiled(
     adam._kernels.adam8(
         param, grad, qm, qv, sm, sv, c.lr, c.beta1, c.beta2, c.eps,  # type: ignore[attr-defined]
         c.weight_decay, c.decoupled, bc1, bc2, float(divisor), SIGNED,  # type: ignore[attr-defined]
-        MIDS[id(SIGNED)], UNSIGNED, MIDS[id(UNSIGNED)], TABLES[id(SIGNED)],
-        TABLES[id(UNSIGNED)], block,
+        PADDED[id(SIGNED)], UNSIGNED, PADDED[id(UNSIGNED)], TABLES[id(SIGNED)],
+        TABLES[id(UNSIGNED)], block, variant=variant or adam.VARIANT,
     )
