@@ -7,7 +7,7 @@ stage 3 (or 2) through node memory with ``overlap=False``, alternated in one run
 
 The whole-step bench's model (:func:`zerompi.bench.gpt.gpt_config`) built twice with
 the same weights, each through ``shard(stage=..., overlap=False)`` on one node: one
-with its staging slot used from both ends (:func:`zerompi.reducer.end_offsets`, as
+with its staging slot used from both ends (:func:`zerompi.reducer.staging_offsets`, as
 shipped: one node fence per bucket, and one more where two buckets handed over one
 after the other do not fit side by side), one with the node fence after every sum
 (``zerompi.reducer.ENDS = False`` while it is built: two fences per bucket). Each

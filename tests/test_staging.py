@@ -1,5 +1,5 @@
 """Stages 2-3's staging with one slot (``overlap=False``) on one node: the slot used
-from both ends (:func:`zerompi.reducer.end_offsets`). Buckets handed over one after
+from both ends (:func:`zerompi.reducer.staging_offsets`). Buckets handed over one after
 the other alternate between its bottom and its top, so a bucket is written while the
 node's ranks may still read the one before, with no node fence in between, unless the
 two do not fit side by side; then exactly one fence first. The results equal the

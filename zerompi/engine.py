@@ -56,7 +56,7 @@ from .plan import (
 )
 from .precision import LossScale, Precision, low_base
 from .prefetch import LayerGather
-from .reducer import FullGradients, StagedGradients
+from .reducer import FullGradients, StagedGradients, staging_offsets
 from .reduction import (
     Allreduce,
     Backend,
@@ -420,15 +420,15 @@ def _reducer(
     slots = staging_slots(engine.config.overlap.enabled)
     kinds = [plan.reduction(precisions[b.dtype]) for b in layout.buckets]
     # One slot, summed within one node only: used from both ends, a fence only where
-    # a bucket is written over the one before it (reducer.end_offsets), not after
+    # a bucket is written over the one before it (reducer.staging_offsets), not after
     # every sum.
     ends = (reducer.ENDS and slots == 1 and cross is None and node_sum is not None
             and all(k is Reduce.NODE_SUM for k in kinds))  # fmt: skip
+    offsets = staging_offsets(layout, slots, ends)
     staged: list[Backend] = []
-    for index, (bucket, kind) in enumerate(zip(layout.buckets, kinds, strict=True)):
+    for index, kind in enumerate(kinds):
         if kind is Reduce.NODE_SUM:
-            width = layout.max_bucket(bucket.dtype)
-            bases = [0, width - bucket.size] if ends else [s * width for s in range(slots)]
+            bases = [row[index] for row in offsets]
             staged.append(node_reduce(index, bases, True, slots == 1 and not ends))
         elif kind is Reduce.SPLIT:
             staged.append(split(index, recv))
@@ -451,7 +451,7 @@ def _reducer(
         return engine.names.flat_arrays(full, "gradient"), full, backends
 
     return StagedGradients(
-        comm, layout, parts, engine.names, stores[Kind.GRAD_BUCKET], slots, staged,
+        comm, layout, parts, engine.names, stores[Kind.GRAD_BUCKET], offsets, staged,
         handed_over, make_full if plan.full_grads_on_demand else None,
         nodes.node.fence if ends else None,
     )  # fmt: skip

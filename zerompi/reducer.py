@@ -29,27 +29,35 @@ from .arrays import FlatArrays
 from .handover import Block, Found, Names, single_bucket
 from .mpi.collectives import Comm
 from .nodesum import Stats
-from .partition import Bucket, Layout
+from .partition import Layout
 from .plan import REDUCE_WINDOW, Part
 from .reduction import Backend, InFlight
 
 Visit = Callable[[int], None]
 
 #: Whether one staging slot summed within one node is used from both ends
-#: (:func:`end_offsets`), read when an engine is built: ``False`` gives the node fence
+#: (:func:`staging_offsets`), read when an engine is built: ``False`` gives the node fence
 #: after every sum instead (``scripts/ends_ab.py`` builds one of each).
 ENDS = True
 
 
-def end_offsets(buckets: Sequence[Bucket], width: Mapping[np.dtype, int]) -> list[list[int]]:
-    """Where each bucket's gradients go in one staging slot used from both ends: the
-    buckets handed over one after the other alternate between its bottom (slot 0,
+def staging_offsets(layout: Layout, slots: int, ends: bool = False) -> list[list[int]]:
+    """``offsets[slot][index]``: where bucket ``index``'s gradients go in its dtype's
+    staging, ``slots`` slots of the largest bucket's size one after the other.
+
+    With ``ends`` (one slot, summed within one node), the slot is used from both ends:
+    the buckets handed over one after the other alternate between its bottom (slot 0,
     from offset 0) and its top (slot 1, ending at the slot's end). A bucket is then
     written while the node's ranks may still read the one before it, with no node
     fence in between, unless the two do not fit side by side in the slot (the
     largest bucket and a neighbour); then one fence first. Measured against the node
     fence after every sum it replaces: ``scripts/ends_ab.py``."""
-    return [[0] * len(buckets), [width[b.dtype] - b.size for b in buckets]]
+    width = {d: layout.max_bucket(d) for d in layout.sizes}
+    buckets = layout.buckets
+    if ends:
+        assert slots == 1, "both ends of one staging slot"
+        return [[0] * len(buckets), [width[b.dtype] - b.size for b in buckets]]
+    return [[s * width[b.dtype] for b in buckets] for s in range(slots)]
 
 
 def take(spans: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
@@ -205,29 +213,23 @@ class StagedGradients:
 
     def __init__(
         self, comm: Comm, layout: Layout, parts: Sequence[Part], names: Names,
-        staging: Mapping[np.dtype, np.ndarray], slots: int, backends: Sequence[Backend],
-        on_exit: Callable[[Found], None], make_full: MakeFull | None = None,
-        ends: Callable[[], None] | None = None,
+        staging: Mapping[np.dtype, np.ndarray], offsets: list[list[int]],
+        backends: Sequence[Backend], on_exit: Callable[[Found], None],
+        make_full: MakeFull | None = None, ends_fence: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.comm, self.layout, self.parts, self.names = comm, layout, parts, names
         self.backends, self.on_exit = backends, on_exit
         self.make_full = make_full
         #: Per bucket, its statistics when its reduction computed them (one node).
         self.fused: list[Stats] = [None] * len(parts)
-        width = {d: max((b.size for b in layout.buckets if b.dtype == d), default=0)
-                 for d in staging}  # fmt: skip
         buckets = layout.buckets
-        #: One slot used from both ends (see :func:`end_offsets`): the node fence to
-        #: call before a bucket is written over the one reduced just before it.
-        self.ends_fence = ends
-        if ends is not None:
-            assert slots == 1, "both ends of one staging slot"
-            slots = 2
-            self.offsets = end_offsets(buckets, width)
-        else:
-            #: offsets[slot][index]: where bucket index's staging buffer starts in slot
-            self.offsets = [[s * width[b.dtype] for b in buckets] for s in range(slots)]
-        self.slots = slots
+        #: offsets[slot][index]: where bucket index's staging buffer starts in slot
+        #: (:func:`staging_offsets`)
+        self.offsets = offsets
+        self.slots = len(offsets)
+        #: One slot used from both ends: the node fence to call before a bucket is
+        #: written over the one reduced just before it.
+        self.ends_fence = ends_fence
         #: views[slot][index]: bucket index's staging buffer in slot
         self.views = [
             [staging[b.dtype][off : off + b.size] for b, off in zip(buckets, row, strict=True)]
@@ -266,7 +268,7 @@ class StagedGradients:
         self._grads: FlatArrays | None = None
         self.full_mode: bool | None = None  # decided once, collectively
         #: per slot, a whole bucket's cached blocks
-        self.blocks: list[list[Block | None]] = [[None] * len(parts) for _ in range(slots)]
+        self.blocks: list[list[Block | None]] = [[None] * len(parts) for _ in offsets]
 
     # -- hand-over ----------------------------------------------------------------
 
@@ -436,7 +438,7 @@ class StagedGradients:
             start = self.offsets[slot][index]
             self.last = (dtype, start, start + src.shape[0])
             if backend.clears:  # (zero everywhere once the node's ranks pass a fence)
-                add_span(self.zeros[dtype], start, start + src.shape[0])
+                add_span(self.zeros[dtype], *self.last[1:])
         if flight is not None:
             self.inflight.append(flight)
 
