@@ -90,15 +90,27 @@ def blocks_of(offset: int, n: int, block: int = BLOCK) -> tuple[int, int]:
     return offset // block, (offset + n - 1) // block + 1
 
 
+def spans(offset: int, n: int, block: int = BLOCK) -> list[tuple[int, int, int]]:
+    """``(slot, lo, hi)`` per block that elements ``offset ... offset + n`` touch:
+    its index counted from the first (the slot of its scale) and its elements in the
+    piece."""
+    first, stop = blocks_of(offset, n, block)
+    return [(b - first, max(b * block - offset, 0), min((b + 1) * block - offset, n))
+            for b in range(first, stop)]  # fmt: skip
+
+
+def zero_code(codes: np.ndarray) -> int:
+    """The index of the code 0.0."""
+    return int(np.searchsorted(codes, 0.0))
+
+
 def block_max(x: np.ndarray, offset: int, block: int = BLOCK) -> np.ndarray:
     """The largest magnitude of ``x`` (elements ``offset...`` of the flat array) in
     each block it touches, in float32; a block touched in part: of that part."""
-    first, stop = blocks_of(offset, x.shape[0], block)
-    out = np.zeros(stop - first, np.float32)
-    if x.shape[0] == 0:
-        return out
-    cuts = [max(b * block - offset, 0) for b in range(first, stop)]
-    np.maximum.reduceat(np.abs(x), cuts, out=out)
+    pieces = spans(offset, x.shape[0], block)
+    out = np.zeros(len(pieces), np.float32)
+    if pieces:
+        np.maximum.reduceat(np.abs(x), [lo for _, lo, _ in pieces], out=out)
     return out
 
 
@@ -109,15 +121,11 @@ def quantize(
     """``out`` (uint8) = the nearest codes of float32 ``x`` (elements ``offset...``)
     divided by its block's scale, ``scales`` holding one per block touched. A zero
     scale (an all-zero block) gives the code of 0."""
-    first, stop = blocks_of(offset, x.shape[0], block)
     mids = MIDS[id(codes)]
-    zero = int(np.searchsorted(codes, 0.0))
-    for b in range(first, stop):
-        lo = max(b * block - offset, 0)
-        hi = min((b + 1) * block - offset, x.shape[0])
-        scale = scales[b - first]
+    for slot, lo, hi in spans(offset, x.shape[0], block):
+        scale = scales[slot]
         if scale == 0:
-            out[lo:hi] = zero
+            out[lo:hi] = zero_code(codes)
             continue
         y = x[lo:hi] / scale  # float32
         out[lo:hi] = np.searchsorted(mids, y, side="left")
@@ -128,44 +136,23 @@ def dequantize(
     block: int = BLOCK,
 ) -> None:  # fmt: skip
     """``out`` (float32) = ``codes[q] * scale`` of each element's block."""
-    first, stop = blocks_of(offset, q.shape[0], block)
-    for b in range(first, stop):
-        lo = max(b * block - offset, 0)
-        hi = min((b + 1) * block - offset, q.shape[0])
-        np.multiply(codes[q[lo:hi]], scales[b - first], out=out[lo:hi])
-
-
-def zero_code(codes: np.ndarray) -> int:
-    """The index of the code 0.0."""
-    return int(np.searchsorted(codes, 0.0))
+    for slot, lo, hi in spans(offset, q.shape[0], block):
+        np.multiply(codes[q[lo:hi]], scales[slot], out=out[lo:hi])
 
 
 class Edges:
     """What an 8-bit step leaves for the ranks to agree on: the float32 moments of its
-    partial blocks (a block this piece holds only part of), which are quantized once
-    the scale of each such block is the largest over every piece holding part of it.
-    ``blocks`` are global block indices, ``first``/``last`` the piece's slots."""
+    partial blocks (a block this piece holds only part of: at most its first and its
+    last), which are quantized once the scale of each such block is the largest over
+    every piece holding part of it."""
 
-    __slots__ = ("moments", "slots", "spans")
+    __slots__ = ("moments", "spans")
 
     def __init__(self) -> None:
         #: per partial block: ``(slot in the piece's scales, lo, hi)`` in the piece
         self.spans: list[tuple[int, int, int]] = []
         #: per partial block, the float32 new moments (one array per state)
         self.moments: list[tuple[np.ndarray, ...]] = []
-        self.slots: list[int] = []
-
-
-def partial_blocks(offset: int, n: int, block: int = BLOCK) -> list[tuple[int, int, int]]:
-    """``(slot, lo, hi)`` of the blocks elements ``offset ... offset + n`` hold only in
-    part (at most two: the first and the last), ``slot`` counted from the first."""
-    first, stop = blocks_of(offset, n, block)
-    out = []
-    for b in (first, stop - 1) if stop - first > 1 else (first,) if n else ():
-        lo, hi = max(b * block - offset, 0), min((b + 1) * block - offset, n)
-        if hi - lo < block:
-            out.append((b - first, lo, hi))
-    return out
 
 
 def adam8_step(
@@ -186,15 +173,15 @@ def adam8_step(
 
     n = param.shape[0]
     edges = Edges()
-    partial = partial_blocks(offset, n, block)
-    head = partial[0][2] if partial and partial[0][1] == 0 else 0
-    tail = partial[-1][1] if partial and partial[-1][2] == n and partial[-1][1] >= head else n
-    whole_first = blocks_of(offset, n, block)[0] + (1 if head else 0)
-    if tail > head:  # the whole blocks
-        use_c = (kernel or KERNEL) == "c" and _compiled() is not None
-        lo_slot = (offset + head) // block - blocks_of(offset, n, block)[0]
-        nb = (tail - head) // block
-        if use_c:
+    head = min(-offset % block, n)  # elements before the first whole block
+    nb = (n - head) // block  # whole blocks
+    tail = head + nb * block  # where the last, partial block starts
+    lo_slot = 1 if head else 0  # the first whole block's scale
+    partial = [(0, 0, head)] if head else []
+    if tail < n:
+        partial.append((lo_slot + nb, tail, n))
+    if nb:
+        if (kernel or KERNEL) == "c" and _compiled() is not None:
             _adam8_compiled(param[head:tail], grad[head:tail], qm[head:tail], qv[head:tail],
                             sm[lo_slot:lo_slot + nb], sv[lo_slot:lo_slot + nb], step, config,
                             divisor, block, variant)  # fmt: skip
@@ -211,8 +198,7 @@ def adam8_step(
                           kernel=kernel)  # fmt: skip
                 for x, q, scales, codes in ((m, qm, sm, SIGNED), (v, qv, sv, UNSIGNED)):
                     scales[s] = np.max(np.abs(x))
-                    quantize(x, (whole_first + k) * block, scales[s : s + 1], codes, q[lo:hi],
-                             block)  # fmt: skip
+                    quantize(x, offset + lo, scales[s : s + 1], codes, q[lo:hi], block)
     for slot, lo, hi in partial:  # stepped here, quantized once the scale is agreed
         m = np.multiply(SIGNED[qm[lo:hi]], sm[slot])
         v = np.multiply(UNSIGNED[qv[lo:hi]], sv[slot])

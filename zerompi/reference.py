@@ -104,7 +104,7 @@ class ReferenceAdam8bit(ReferenceAdam):
             raise ValueError(f"8-bit states need float32 parameters, in one order: {bad}")
         n = sum(self.params[name].size for name in self.order)
         blocks = quant.blocks_of(0, n, block)[1]
-        zero = int(np.searchsorted(quant.SIGNED, 0.0))
+        zero = quant.zero_code(quant.SIGNED)
         self.quantized = {
             "exp_avg": (np.full(n, zero, np.uint8), np.zeros(blocks, np.float32)),
             "exp_avg_sq": (np.zeros(n, np.uint8), np.zeros(blocks, np.float32)),
