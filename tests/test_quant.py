@@ -175,3 +175,23 @@ def test_8bit_adam_on_any_cut_is_the_reference_bit_for_bit(kernel: str) -> None:
                 rq, rs = ref.quantized[label]
                 assert np.array_equal(scales, rs), f"{label} scales, cuts {cuts}"
                 assert np.array_equal(q, rq), f"{label} bytes, cuts {cuts}"
+
+
+def test_the_compiled_step_names_a_wrong_array() -> None:
+    """The kernel refuses an array of the wrong type or length, naming it."""
+    from zerompi import adam
+
+    if adam._kernels is None or not hasattr(adam._kernels, "adam8"):
+        pytest.skip("the compiled kernels are not built")
+    from zerompi.adam import AdamConfig
+
+    n = quant.BLOCK
+    good = {"param": np.zeros(n, np.float32), "grad": np.zeros(n, np.float32),
+            "qm": np.zeros(n, np.uint8), "qv": np.zeros(n, np.uint8),
+            "sm": np.zeros(1, np.float32), "sv": np.zeros(1, np.float32)}  # fmt: skip
+    config = AdamConfig(1e-3, 0.9, 0.999, 1e-8, 0.0, True)
+    for name, bad in (("qm", np.zeros(n, np.float32)), ("sv", np.zeros(2, np.float32)),
+                      ("param", np.zeros(n + 1, np.float32))):  # fmt: skip
+        arrays = {**good, name: bad}
+        with pytest.raises(ValueError, match=name):
+            quant._adam8_compiled(*arrays.values(), 1, config, 1.0, quant.BLOCK, None)

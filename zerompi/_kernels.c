@@ -568,8 +568,10 @@ adam8_float_avx512i(float *restrict p, const float *restrict g, uint8_t *restric
             const __m512 pi = _mm512_loadu_ps(p + at + i);
             __m512 gi = _mm512_div_ps(_mm512_loadu_ps(g + at + i), dv);
             gi = _mm512_add_ps(gi, _mm512_mul_ps(pi, l2));
-            const __m512i im = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qm + at + i)));
-            const __m512i iv = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qv + at + i)));
+            const __m512i im =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qm + at + i)));
+            const __m512i iv =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qv + at + i)));
             const __m512 m0 = _mm512_mul_ps(_mm512_i32gather_ps(im, cm, 4), ms);
             const __m512 v0 = _mm512_mul_ps(_mm512_i32gather_ps(iv, cv, 4), vs);
             const __m512 mi = _mm512_add_ps(_mm512_mul_ps(m0, b1), _mm512_mul_ps(gi, omb1));
@@ -677,13 +679,20 @@ get_vector(PyObject *obj, Py_buffer *view, int writable, const char *name)
     return 0;
 }
 
+/* A buffer's struct format character, without a byte-order prefix ('B' if none). */
 static char
-element_kind(const Py_buffer *view)
+format_char(const Py_buffer *view)
 {
     const char *f = view->format ? view->format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
-    if ((f[0] == 'f' && view->itemsize == 4) || (f[0] == 'd' && view->itemsize == 8))
-        return f[0];
+    return f[0];
+}
+
+static char
+element_kind(const Py_buffer *view)
+{
+    const char f = format_char(view);
+    if ((f == 'f' && view->itemsize == 4) || (f == 'd' && view->itemsize == 8)) return f;
     return 0;
 }
 
@@ -735,6 +744,33 @@ adam_low(char kind, int variant, int low_kind, Py_buffer *views, uint16_t *low, 
     }
 }
 
+/* A contiguous array `obj` of `n` elements (any number for n < 0) of struct format
+ * `fmt` and `itemsize` bytes each, `what` naming the type and `name` the argument in
+ * errors, or -1 with an exception and nothing held. */
+static int
+get_typed(PyObject *obj, Py_buffer *view, Py_ssize_t n, char fmt, Py_ssize_t itemsize,
+          int writable, const char *name, const char *what)
+{
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %scontiguous %s array", name,
+                     writable ? "writable " : "", what);
+        return -1;
+    }
+    if (view->itemsize != itemsize || format_char(view) != fmt ||
+        (n >= 0 && view->len != itemsize * n)) {
+        if (n >= 0)
+            PyErr_Format(PyExc_ValueError, "%s must be %zd %s elements, got %zd bytes of '%s'",
+                         name, n, what, view->len, view->format);
+        else
+            PyErr_Format(PyExc_ValueError, "%s must be %s elements, got '%s'", name, what,
+                         view->format);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 /* The uint16 array `obj` of `n` elements holding 16-bit floats (`name`: for errors),
  * or -1 with an exception. */
 static int
@@ -745,21 +781,7 @@ get_low(PyObject *obj, Py_buffer *view, Py_ssize_t n, int kind, int writable, co
                      kind);
         return -1;
     }
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, view, flags) < 0) {
-        PyErr_Format(PyExc_TypeError, "%s must be a %scontiguous uint16 array", name,
-                     writable ? "writable " : "");
-        return -1;
-    }
-    const char *f = view->format ? view->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') f++;
-    if (view->itemsize != 2 || f[0] != 'H' || view->len != 2 * n) {
-        PyErr_Format(PyExc_ValueError, "%s must be %zd uint16 elements, got %zd bytes of '%s'",
-                     name, n, view->len, view->format);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
+    return get_typed(obj, view, n, 'H', 2, writable, name, "uint16");
 }
 
 /* A contiguous float32/float64 array (its kind, 'f' or 'd') and a uint16 array of as
@@ -1131,29 +1153,6 @@ done:
 }
 
 
-/* A contiguous array of `n` elements of one-byte format `fmt` ('B' or 'f' with
- * itemsize), or -1 with an exception. */
-static int
-get_typed(PyObject *obj, Py_buffer *view, Py_ssize_t n, char fmt, Py_ssize_t itemsize,
-          int writable, const char *name)
-{
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, view, flags) < 0) {
-        PyErr_Format(PyExc_TypeError, "%s must be a %scontiguous array", name,
-                     writable ? "writable " : "");
-        return -1;
-    }
-    const char *f = view->format ? view->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') f++;
-    if (view->itemsize != itemsize || f[0] != fmt || (n >= 0 && view->len != itemsize * n)) {
-        PyErr_Format(PyExc_ValueError, "%s must be %zd elements of format '%c', got %zd "
-                     "bytes of '%s'", name, n, fmt, view->len, view->format);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
 PyDoc_STRVAR(adam8_doc,
 "adam8(param, grad, qm, qv, sm, sv, lr, beta1, beta2, eps, weight_decay, decoupled,\n"
 "      bc1, bc2, divisor, codes_m, mids_m, codes_v, mids_v, table_m, table_v, block)\n\n"
@@ -1191,7 +1190,7 @@ adam8(PyObject *self, PyObject *args, PyObject *kwargs)
     int got = 0;
     PyObject *result = NULL;
     float *tmp = NULL;
-    if (get_typed(o[0], &v[got], -1, 'f', 4, 1, "param") < 0) goto done;
+    if (get_typed(o[0], &v[got], -1, 'f', 4, 1, "param", "float32") < 0) goto done;
     got++;
     const Py_ssize_t n = v[0].len / 4;
     if (n % block) {
@@ -1206,7 +1205,7 @@ adam8(PyObject *self, PyObject *args, PyObject *kwargs)
                              "codes_m", "mids_m", "codes_v", "mids_v", "table_m", "table_v"};
     for (; got < 12; got++)
         if (get_typed(o[got], &v[got], sizes[got], fmts[got], fmts[got] == 'B' ? 1 : 4,
-                      got != 1 && got < 6, names[got]) < 0)
+                      got != 1 && got < 6, names[got], fmts[got] == 'B' ? "uint8" : "float32") < 0)
             goto done;
     tmp = PyMem_Malloc(2 * block * sizeof(float));
     if (tmp == NULL) {
@@ -1220,9 +1219,10 @@ adam8(PyObject *self, PyObject *args, PyObject *kwargs)
         if (cv[i] == 0.0f) zv = i;
     }
     Py_BEGIN_ALLOW_THREADS
-    adam8_float_v[variant](v[0].buf, v[1].buf, v[2].buf, v[3].buf, v[4].buf, v[5].buf, n / block, block,
-              lr, b1, b2, eps, wd, decoupled, bc1, bc2, div, cm, v[7].buf, cv, v[9].buf,
-              v[10].buf, v[11].buf, zm, zv, tmp, tmp + block);
+    adam8_float_v[variant](v[0].buf, v[1].buf, v[2].buf, v[3].buf, v[4].buf, v[5].buf,
+                           n / block, block, lr, b1, b2, eps, wd, decoupled, bc1, bc2, div,
+                           cm, v[7].buf, cv, v[9].buf, v[10].buf, v[11].buf, zm, zv, tmp,
+                           tmp + block);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None);
     result = Py_None;
