@@ -23,18 +23,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.nn.functional as F
 from mpi4py import MPI
 
 from zerompi import reducer
-from zerompi.bench.gpt import gpt_config, logits, make_model
+from zerompi.bench.gpt import gpt_config, make_model, timed_step
 from zerompi.mpi.collectives import Comm
 from zerompi.runtime import count
 from zerompi.torch import shard
-from zerompi.torch.gpt import batch
 
 FENCES = [0]
 
@@ -71,23 +68,14 @@ def main() -> None:
         built[side] = shard(model, stage=args.stage, overlap=False, lr=3e-4, weight_decay=0.1)
     reducer.ENDS = True
     params = sum(p.numel() for p in built["ends"][0].parameters())
-    vocab = cfg["vocab"]
     steps = {side: 0 for side in built}
 
     def one_step(side: str) -> tuple[float, int, float]:
         model, opt = built[side]
-        data = batch(steps[side], comm.rank, 1, cfg["seq"], vocab)
         steps[side] += 1
-        comm.Barrier()
         fences = FENCES[0]
-        start = time.perf_counter()
-        out = logits(model(data[:, :-1]))
-        loss = F.cross_entropy(out.reshape(-1, vocab), data[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        seconds = comm.allreduce(time.perf_counter() - start, MPI.MAX)
-        return seconds, FENCES[0] - fences, float(loss.item())
+        done = timed_step(comm, model, opt, steps[side] - 1, cfg)
+        return done["seconds"], FENCES[0] - fences, done["loss"]
 
     losses: dict[str, list[float]] = {side: [] for side in built}
     for side in built:

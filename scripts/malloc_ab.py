@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import resource
 import statistics
 import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from mpi4py import MPI
 
 from zerompi import allocator
-from zerompi.bench.gpt import SETUPS, build, gpt_config, logits, make_model
+from zerompi.bench.gpt import SETUPS, build, gpt_config, make_model, timed_step
 from zerompi.mpi.collectives import Comm
 from zerompi.runtime import count
-from zerompi.torch.gpt import batch
 
 
 def fresh_page_us(nbytes: int = 256 * 2**20) -> float:
@@ -67,21 +64,13 @@ def main() -> None:
     model = make_model(args.arch, cfg)
     params = sum(p.numel() for p in model.parameters())
     module, opt, what = build(args.setup, model, Comm(comm, timeout=0), 120.0)
-    vocab, step_no = cfg["vocab"], 0
+    step_no = 0
 
     def one_step() -> tuple[float, int]:
         nonlocal step_no
-        data = batch(step_no, comm.rank, 1, cfg["seq"], vocab)
         step_no += 1
-        comm.Barrier()
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.perf_counter()
-        out = logits(module(data[:, :-1]))
-        F.cross_entropy(out.reshape(-1, vocab), data[:, 1:].reshape(-1)).backward()
-        opt.step()
-        opt.zero_grad()
-        seconds = comm.allreduce(time.perf_counter() - start, MPI.MAX)
-        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        done = timed_step(comm, module, opt, step_no - 1, cfg)
+        return done["seconds"], done["faults"]
 
     for _ in range(2):
         one_step()

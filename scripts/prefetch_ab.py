@@ -25,18 +25,14 @@ freed memory, :mod:`zerompi.allocator`).
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
-import time
 
 import torch
-import torch.nn.functional as F
 from mpi4py import MPI
 
-from zerompi.bench.gpt import gpt_config, logits, make_model
+from zerompi.bench.gpt import gpt_config, make_model, timed_step
 from zerompi.runtime import count
 from zerompi.torch import shard
-from zerompi.torch.gpt import batch
 
 
 def main() -> None:
@@ -60,21 +56,13 @@ def main() -> None:
                        keep_memory=args.toggle != "spares" or args.keep_memory)  # fmt: skip
     units = opt.units
     shipped, kept = list(units.worth), units.spares.limit
-    vocab, step_no = cfg["vocab"], 0
+    step_no = 0
 
     def one_step() -> tuple[float, int]:
         nonlocal step_no
-        data = batch(step_no, comm.rank, 1, cfg["seq"], vocab)
         step_no += 1
-        comm.Barrier()
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.perf_counter()
-        out = logits(model(data[:, :-1]))
-        F.cross_entropy(out.reshape(-1, vocab), data[:, 1:].reshape(-1)).backward()
-        opt.step()
-        opt.zero_grad()
-        seconds = comm.allreduce(time.perf_counter() - start, MPI.MAX)
-        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        done = timed_step(comm, model, opt, step_no - 1, cfg)
+        return done["seconds"], done["faults"]
 
     for _ in range(2):
         one_step()

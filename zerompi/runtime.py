@@ -195,6 +195,12 @@ def max_rss_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
+def minor_faults() -> int:
+    """This process's minor page faults so far (pages it touched for the first time
+    since they were mapped; 0 where there is no ``getrusage``)."""
+    return 0 if resource is None else int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
 def current_rss_bytes() -> int:
     """This process's resident set size now (Linux ``/proc/self/statm``; elsewhere the
     peak so far). A floor is taken with this, not the peak, so that a warm-up's own

@@ -78,6 +78,7 @@ from ..runtime import (
     count,
     current_rss_bytes,
     max_rss_bytes,
+    minor_faults,
     non_negative,
     positive,
     pss_bytes,
@@ -203,6 +204,31 @@ def build(setup: str, model: Any, comm: Any, timeout: float) -> tuple[Any, Any, 
     except (RuntimeError, TypeError, ValueError):
         opt, impl = ZeroRedundancyOptimizer(model.parameters(), foreach=True, **kwargs), "foreach"
     return ddp, opt, f"DistributedDataParallel + ZeroRedundancyOptimizer (gloo), AdamW {impl}"
+
+
+def timed_step(comm: Any, module: Any, opt: Any, step: int, cfg: dict[str, int]) -> dict[str, Any]:
+    """Collective over ``comm`` (an mpi4py communicator): one training step of the
+    bench's model on batch ``step`` (this rank's row), from a barrier to its end:
+    forward, the loss, backward, ``step()``, ``zero_grad()``. Returns the slowest
+    rank's ``seconds``, this rank's minor page ``faults`` in it and the ``loss``
+    (the scripts that alternate two settings in one run share it)."""
+    import torch.nn.functional as F
+    from mpi4py import MPI
+
+    from ..torch.gpt import batch
+
+    vocab = cfg["vocab"]
+    data = batch(step, comm.rank, 1, cfg["seq"], vocab)
+    comm.Barrier()
+    faults = minor_faults()
+    start = clock()
+    out = logits(module(data[:, :-1]))
+    loss = F.cross_entropy(out.reshape(-1, vocab), data[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    seconds = comm.allreduce(clock() - start, MPI.MAX)
+    return {"seconds": seconds, "faults": minor_faults() - faults, "loss": float(loss.item())}
 
 
 def _refusal(comm: Any, error: BaseException | None) -> dict[str, Any] | None:
