@@ -207,19 +207,18 @@ def build(setup: str, model: Any, comm: Any, timeout: float) -> tuple[Any, Any, 
 
 
 def timed_step(comm: Any, module: Any, opt: Any, step: int, cfg: dict[str, int]) -> dict[str, Any]:
-    """Collective over ``comm`` (an mpi4py communicator): one training step of the
-    bench's model on batch ``step`` (this rank's row), from a barrier to its end:
-    forward, the loss, backward, ``step()``, ``zero_grad()``. Returns the slowest
-    rank's ``seconds``, this rank's minor page ``faults`` in it and the ``loss``
-    (the scripts that alternate two settings in one run share it)."""
+    """Collective over ``comm`` (a :class:`zerompi.mpi.collectives.Comm`): one
+    training step of the bench's model on batch ``step`` (this rank's row), from a
+    barrier to its end: forward, the loss, backward, ``step()``, ``zero_grad()``.
+    Returns the slowest rank's ``seconds``, this rank's minor page ``faults`` in it
+    and the ``loss`` (the scripts that alternate two settings in one run share it)."""
     import torch.nn.functional as F
-    from mpi4py import MPI
 
     from ..torch.gpt import batch
 
     vocab = cfg["vocab"]
     data = batch(step, comm.rank, 1, cfg["seq"], vocab)
-    comm.Barrier()
+    comm.barrier()
     faults = minor_faults()
     start = clock()
     out = logits(module(data[:, :-1]))
@@ -227,7 +226,7 @@ def timed_step(comm: Any, module: Any, opt: Any, step: int, cfg: dict[str, int])
     loss.backward()
     opt.step()
     opt.zero_grad()
-    seconds = comm.allreduce(clock() - start, MPI.MAX)
+    seconds = comm.max(clock() - start)
     return {"seconds": seconds, "faults": minor_faults() - faults, "loss": float(loss.item())}
 
 
