@@ -114,7 +114,7 @@ def sharded_8bit_steps(
     pieces = list(pairwise(edges))
     param = x0.copy()
     n = x0.shape[0]
-    qm = np.full(n, quant.zero_code(quant.SIGNED), np.uint8)
+    qm = np.zeros(n, np.uint8)
     qv = np.zeros(n, np.uint8)
     nb = quant.blocks_of(0, n)[1]
     sm = [np.zeros(np.subtract(*quant.blocks_of(lo, hi - lo)[::-1]), np.float32)

@@ -86,16 +86,28 @@ class Kind(Enum):
 
 @dataclass(frozen=True)
 class StateKind:
-    """A per-element state of the optimizer's update rule (Adam's ``exp_avg``, SGD's
-    ``momentum_buffer``): a private buffer of the master dtype over what the rule
-    updates, zero at the start. The rule declares its states
+    """A state of the optimizer's update rule (Adam's ``exp_avg``, SGD's
+    ``momentum_buffer``, 8-bit Adam's codes and scales): a private buffer over what the
+    rule updates, per element (of the master dtype, or ``dtype``) or per block, zero
+    at the start. The rule declares its states
     (:attr:`zerompi.rules.Rule.states`); the plan, the checkpoints, the snapshots and
     the estimator take them from there, as they take a :class:`Kind`."""
 
     label: str
+    #: The stored dtype's name (``"uint8"``: 8-bit codes); ``None``: the master dtype.
+    dtype: str | None = None
+    #: ``0``: one entry per element. ``n > 0``: one entry per block of ``n`` elements
+    #: of the master dtype's flat parameters, blocks cut from their start (an 8-bit
+    #: state's scales); a rank holds one for each block its part touches, so ranks
+    #: whose parts share a block hold one copy each (see :mod:`zerompi.blockwise`).
+    block: int = 0
     category: str = "optimizer_states"
     shared: Placement = Placement.PRIVATE
     initialized: bool = False
+
+    def storage(self, master: np.dtype) -> np.dtype:
+        """The dtype of its buffer for parameters of ``master`` dtype."""
+        return master if self.dtype is None else np.dtype(self.dtype)
 
 
 #: What a buffer holds: one of the fixed kinds, or a state of the update rule.

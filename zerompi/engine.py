@@ -25,6 +25,7 @@ import numpy as np
 
 from . import reducer
 from .arrays import FlatArrays
+from .blockwise import Agreement, held
 from .buffers import BufferPool, Kind, Placement, PlannedBuffer, Stores
 from .config import Settings
 from .elastic import NoSnapshots, Snapshots, buddy_ranks, elastic_setup, snapshot_plan
@@ -105,6 +106,12 @@ class Engine:
     update_runs: list[Run]
     low_bases: list[int]
     segments: list[list[Segment]]
+    #: Per run, the global element (in its dtype's flat parameters) of its first
+    #: element (what a rule with per-block states reads: its runs are one bucket each).
+    update_offsets: list[int]
+    #: Where the rule has per-block states: the end of each update's agreement on the
+    #: blocks that parts share (:class:`zerompi.blockwise.Agreement`); else None.
+    agreement: Agreement | None
     stats_runs: StatsRuns
     #: Every parameter group's hyperparameters (the rule's config type; changed by
     #: ``set_hyperparameters``) and each parameter's group.
@@ -295,6 +302,7 @@ def build_engine(
     # One kernel call per run of buckets contiguous in memory, unless each bucket's
     # gather must start as soon as its part is updated.
     merge = plan.publish is Publish.NONE or (plan.publish is Publish.NODE and nodes.count == 1)
+    merge = merge and not rule.block  # a per-block state's entries follow its bucket's blocks
     update_runs = runs(parts, ("param", "grad", "states", "low"), merge)
     lows = [a for k in (Kind.PARAMS, Kind.PARAMS_LOW) for a in stores.get(k, {}).values()]
     member = dict(settings.member)
@@ -309,6 +317,8 @@ def build_engine(
         update_runs=update_runs,
         low_bases=[low_base(run.arrays[-1], lows) for run in update_runs],
         segments=adam_segments(layout, config.stage, update_runs, member),
+        update_offsets=[held(layout, config.stage, run.first)[0] for run in update_runs],
+        agreement=Agreement(comm, layout, rule.block) if rule.block else None,
         stats_runs=StatsRuns(runs(parts, ("stats",), merge=True), len(parts)),
         configs=list(configs if configs is not None else settings.configs), member=member,
         scaler=settings.scaler, timings=timings,

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from . import blockwise
 from .adam import BLOCK
 from .buffers import AnyKind, Kind, Placement, PlannedBuffer, StateKind, Stores
 from .partition import Layout
@@ -269,7 +270,8 @@ def buffer_plan(
         if sharded and plan.access is not Access.CALLER_GATHERS:
             add(Kind.PARAM_BUCKET, p_dt, layout.max_bucket(dtype) * gather_slots(overlap), dtype)
         for kind in states:
-            add(kind, dtype, local, dtype)
+            count = blockwise.count(layout, stage, dtype, kind.block) if kind.block else local
+            add(kind, kind.storage(dtype), count, dtype)
         add(Kind.SCRATCH, dtype, min(BLOCK, max(local, 1)) * scratch_blocks, dtype)
     return out
 
@@ -339,6 +341,10 @@ def bucket_parts(
     master, params_low = stores.get(Kind.MASTER, {}), stores.get(Kind.PARAMS_LOW, {})
     reduced = stores.get(Kind.GRADS_REDUCED, {})
     summed_in_place = Kind.GRADS in plan.node_memory  # peers read the rest of the bucket
+    blocks = {  # per block size, per bucket: its entries in a block state's buffer
+        kind.block: {s.index: slice(s.at, s.at + s.count) for d in layout.sizes
+                     for s in blockwise.slots(layout, plan.stage, d, kind.block)}
+        for kind in states if kind.block}  # fmt: skip
     for index, bucket in enumerate(layout.buckets):
         dtype, (lo, hi) = bucket.dtype, bucket.local(layout.rank)
         whole = slice(bucket.start, bucket.stop)
@@ -372,7 +378,9 @@ def bucket_parts(
                 param = shard_of(params, layout, index)
                 if dtype in params_low:
                     low = shard_of(params_low, layout, index)
-        held = tuple(stores[kind][dtype][moments] for kind in states)
+        held = tuple(
+            stores[kind][dtype][blocks[kind.block][index]] if kind.block
+            else stores[kind][dtype][moments] for kind in states)  # fmt: skip
         scratch = stores[Kind.SCRATCH][dtype]
         part = Part(
             index, grad, stats, param, held, scratch, full_param, full_grad, low
@@ -384,11 +392,12 @@ def bucket_parts(
 class Run(NamedTuple):
     """Consecutive buckets whose arrays continue one another in memory, so one kernel
     call covers them all (stage 3's one-layer buckets: one Adam call per dtype, not
-    one per layer). ``last`` is the index of its last bucket."""
+    one per layer). ``last`` is the index of its last bucket, ``first`` of its first."""
 
     last: int
     arrays: tuple[np.ndarray, ...]
     scratch: np.ndarray  # the kernel's scratch block of the run's dtype
+    first: int
 
 
 def _continues(a: np.ndarray | None, b: np.ndarray | None) -> bool:
@@ -414,9 +423,9 @@ def runs(parts: Sequence[Part], fields: tuple[str, ...], merge: bool) -> list[Ru
                 as_strided(a, shape=(a.size + b.size,), strides=(a.itemsize,), writeable=True)
                 for a, b in zip(out[-1].arrays, arrays, strict=True)
             )  # same buffer, continuing: one longer view of it  # fmt: skip
-            out[-1] = Run(part.index, joined, part.scratch)
+            out[-1] = Run(part.index, joined, part.scratch, out[-1].first)
         else:
-            out.append(Run(part.index, arrays, part.scratch))
+            out.append(Run(part.index, arrays, part.scratch, part.index))
     return out
 
 
@@ -440,11 +449,14 @@ def state_views(
     plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind]
 ) -> list[tuple[str, int, np.ndarray]]:
     """``(section, first global element, this rank's shard)`` of every bucket of every
-    kind of state (:func:`state_kinds`), in one fixed order: writable views of the
-    buffers (what checkpoints write and read, and elastic snapshots send)."""
+    kind of state (:func:`state_kinds`) with one entry per element, in one fixed
+    order: writable views of the buffers (what checkpoints write and read, and elastic
+    snapshots send). The states with one entry per block: :func:`block_views`."""
     flat = masters(stores)
     out = []
     for kind in state_kinds(states):
+        if isinstance(kind, StateKind) and kind.block:
+            continue  # (block_views)
         store = flat if kind is Kind.PARAMS else stores[kind]
         for index, bucket in enumerate(layout.buckets):
             lo, hi = bucket.local(layout.rank)
@@ -456,3 +468,19 @@ def state_views(
                 shard = shard_of(store, layout, index)
             out.append((f"{kind.label}.{bucket.dtype.name}", bucket.start + lo, shard))
     return out
+
+
+def block_views(
+    plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind]
+) -> list[tuple[str, blockwise.Entry]]:
+    """``(section, entry)`` of every bucket of every state with one entry per block
+    (:class:`zerompi.blockwise.Entry`: what this rank reads and what it writes), in
+    one fixed order, after :func:`state_views`' sections."""
+    written = [(b.start + lo, hi - lo) for b in layout.buckets
+               for lo, hi in (b.local(layout.rank),)]  # fmt: skip
+    return [
+        (f"{kind.label}.{layout.buckets[i].dtype.name}", entry)
+        for kind in states if kind.block
+        for i, entry in enumerate(blockwise.entries(layout, plan.stage, stores[kind], kind.block,
+                                                    written))
+    ]  # fmt: skip

@@ -104,11 +104,25 @@ class ReferenceAdam8bit(ReferenceAdam):
             raise ValueError(f"8-bit states need float32 parameters, in one order: {bad}")
         n = sum(self.params[name].size for name in self.order)
         blocks = quant.blocks_of(0, n, block)[1]
-        zero = quant.zero_code(quant.SIGNED)
-        self.quantized = {
-            "exp_avg": (np.full(n, zero, np.uint8), np.zeros(blocks, np.float32)),
+        self.quantized = {  # codes 0 and scales 0 (each value 0), as a fresh buffer
+            "exp_avg": (np.zeros(n, np.uint8), np.zeros(blocks, np.float32)),
             "exp_avg_sq": (np.zeros(n, np.uint8), np.zeros(blocks, np.float32)),
         }
+
+    @property
+    def states(self) -> dict[str, dict[str, np.ndarray]]:
+        """The stored states as ``optimizer="adam8bit"`` names them: the codes per
+        parameter, the scales of the flat float32 parameters' blocks."""
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for label, (q, scales) in self.quantized.items():
+            at, codes = 0, {}
+            for name in self.order:
+                size = self.params[name].size
+                codes[name] = q[at : at + size].reshape(self.params[name].shape)
+                at += size
+            out[f"{label}_codes"] = {n: codes[n] for n in self.params}
+            out[f"{label}_scales"] = {"float32": scales}
+        return out
 
     def step(self, grads: Mapping[str, np.ndarray]) -> None:
         super().step(grads)  # from the dequantized moments

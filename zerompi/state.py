@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .adam import round_low
-from .plan import master_is_full, masters, shard_of, state_kinds, state_views
+from .blockwise import Entry, slots, total_blocks
+from .buffers import StateKind
+from .plan import block_views, master_is_full, masters, shard_of, state_kinds, state_views
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -39,14 +41,33 @@ def gather_state(engine: Engine) -> dict[str, dict[str, np.ndarray]]:
     """Collective: the full (unsharded) states of the update rule (Adam's
     ``exp_avg`` and ``exp_avg_sq``) of every parameter on every rank. Allocates
     full-size arrays: for checks and export, not for the training loop."""
-    kinds = {kind.label: kind for kind in engine.rule.states}
+    kinds = {kind.label: kind for kind in engine.rule.states if not kind.block}
+    blocks: dict[str, Any] = {kind.label: gather_blocks(engine, kind)
+                              for kind in engine.rule.states if kind.block}  # fmt: skip
     if engine.stage == 0:
         engine.comm.barrier()
         return {
             key: {n: engine.names.view(engine.stores[kind], n).copy() for n in engine.order}
             for key, kind in kinds.items()
-        }
-    return {key: gather_full(engine, engine.stores[kind]) for key, kind in kinds.items()}
+        } | blocks
+    return {key: gather_full(engine, engine.stores[kind]) for key, kind in kinds.items()} | blocks
+
+
+def gather_blocks(engine: Engine, kind: StateKind) -> dict[str, np.ndarray]:
+    """Collective: a state with one entry per block (8-bit Adam's scales), whole, by
+    master dtype name: one entry per block of that dtype's flat parameters. The
+    entries are never negative and the ranks sharing a block agree on it, so the
+    largest over the ranks is every block's value."""
+    layout, out = engine.layout, {}
+    for dtype, size in layout.sizes.items():
+        store = engine.stores[kind][dtype]
+        full = np.zeros(total_blocks(size, kind.block), store.dtype)
+        for slot in slots(layout, engine.stage, dtype, kind.block):
+            full[slot.first : slot.first + slot.count] = store[slot.at : slot.at + slot.count]
+        with engine.comm.untracked():
+            engine.comm.max_inplace(full)
+        out[dtype.name] = full
+    return out
 
 
 def gather_full(
@@ -56,7 +77,7 @@ def gather_full(
     """Collective: full copies from ``shards`` (those of dtypes in ``whole`` are full
     already), gathered outside the training traffic's books."""
     layout, comm = engine.layout, engine.comm
-    full = {dtype: np.zeros(size, dtype) for dtype, size in layout.sizes.items()}
+    full = {dtype: np.zeros(size, shards[dtype].dtype) for dtype, size in layout.sizes.items()}
     with comm.untracked():  # not training traffic
         for index, bucket in enumerate(layout.buckets):
             part = full[bucket.dtype][bucket.start : bucket.stop]
@@ -84,6 +105,25 @@ def state_sections(engine: Engine) -> list[str]:
     return [f"{kind.label}.{d.name}" for d in engine.layout.sizes for kind in kinds]
 
 
+def section_layouts(engine: Engine) -> dict[str, dict[str, Any]]:
+    """Per state not held as one element of the parameters' dtype per element, what
+    its sections hold (:func:`zerompi.checkpoint.format.build_header`'s ``layouts``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in engine.rule.states:
+        spec: dict[str, Any] = {} if kind.dtype is None else {"dtype": kind.dtype}
+        if kind.block:
+            spec.update(dtype=kind.dtype or "float32", block=kind.block)
+        if spec:
+            out[kind.label] = spec
+    return out
+
+
+def block_shards(engine: Engine) -> list[tuple[str, Entry]]:
+    """``(section, entry)`` of every bucket of every state with one entry per block
+    (:func:`zerompi.plan.block_views`), after :func:`state_shards`' in file order."""
+    return block_views(engine.plan, engine.layout, engine.stores, engine.rule.states)
+
+
 def state_shards(engine: Engine) -> list[tuple[str, int, np.ndarray]]:
     """``(section, first global element, this rank's shard)`` of every bucket of
     every kind of state, in one fixed order that every rank's collective I/O
@@ -103,8 +143,10 @@ def publish_state(engine: Engine) -> None:
         buckets = engine.layout.buckets
         for index, (bucket, part) in enumerate(zip(buckets, engine.parts, strict=True)):
             whole = slice(bucket.start, bucket.stop)
-            if stage == 0:  # everything everywhere, the master included
-                for store in (flat, *(engine.stores[k] for k in engine.rule.states)):
+            if stage == 0:  # everything everywhere, the master included (a rank reads
+                # every block of a block state it holds)
+                for store in (flat, *(engine.stores[k] for k in engine.rule.states
+                                      if not k.block)):  # fmt: skip
                     comm.allgatherv_inplace(
                         store[bucket.dtype][whole], bucket.counts, bucket.displs, tag=index
                     )

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from .adam import sr_key
+from .blockwise import block_slice
 from .engine import Engine
 from .mpi.agreement import CollectiveError, agree_step
 from .settings import settings_token
@@ -115,24 +116,35 @@ def update(engine: Engine, divisor: float) -> None:
     chunks."""
     adam_phase, gather_phase = engine.timings.adam, engine.timings.gather
     step_count, configs, gatherer = engine.step_count, engine.configs, engine.gatherer
-    rule_update = engine.rule.update
+    rule = engine.rule
+    rule_update = rule.update
     chunk = gatherer.chunk
     key = sr_key(step_count) if engine.config.precision.rounding == "stochastic" else None
-    for run, base, segs in zip(engine.update_runs, engine.low_bases, engine.segments,
-                               strict=True):  # fmt: skip
+    blocks = [kind.block for kind in rule.states]
+    pending = []  # what the update calls leave for the rule's finish (block states)
+    for run, base, first, segs in zip(engine.update_runs, engine.low_bases,
+                                      engine.update_offsets, engine.segments,
+                                      strict=True):  # fmt: skip
         (param, grad, *states, low), scratch = run.arrays, run.scratch
         for lo, hi, config in ((lo, min(lo + chunk, stop), configs[group])
                                for start, stop, group in segs
                                for lo in range(start, stop, chunk)):  # fmt: skip
             sr = None if key is None or low is None else (key, base + lo)
+            views = [s[block_slice(first, lo, hi, b)] if b else s[lo:hi]
+                     for s, b in zip(states, blocks, strict=True)]  # fmt: skip
             with adam_phase:
-                rule_update(param[lo:hi], grad[lo:hi], [s[lo:hi] for s in states], step_count,
-                            config, scratch, divisor, None if low is None else low[lo:hi],
-                            sr)  # fmt: skip
+                left = rule_update(param[lo:hi], grad[lo:hi], views, step_count, config, scratch,
+                                   divisor, None if low is None else low[lo:hi], sr,
+                                   first + lo)  # fmt: skip
+            if left is not None:
+                pending.append(left)
             with gather_phase:
                 gatherer.progress()
         with gather_phase:
             gatherer.started(run.last)  # a run is one bucket where gathers start per bucket
+    if engine.agreement is not None:  # (collective) the blocks that parts share
+        with adam_phase:
+            rule.finish(pending, engine.agreement)
 
 
 def end_step(engine: Engine) -> None:

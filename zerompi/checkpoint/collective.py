@@ -45,6 +45,7 @@ from .format import (
 )
 
 if TYPE_CHECKING:
+    from ..blockwise import Entry
     from ..engine import Engine
 
 Shards = list[tuple[str, int, np.ndarray]]
@@ -76,6 +77,12 @@ def _checksums(comm: Any, names: list[str], parts: Shards) -> dict[str, tuple[in
     return {n: (int(sums[2 * i]), int(sums[2 * i + 1])) for i, n in enumerate(names)}
 
 
+def _owned(blocks: list[tuple[str, Entry]]) -> Shards:
+    """The block states' entries this rank writes, as shards: ``(section, first
+    block, entries)``."""
+    return [(name, e.first + e.own.start, e.held[e.own]) for name, e in blocks]
+
+
 def _optimizer_entry(engine: Engine) -> dict[str, Any]:
     """The header's ``optimizer`` entry: the hyperparameters and the counters."""
     return {
@@ -92,7 +99,8 @@ def _save(engine: Engine, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     names = state.state_sections(engine)
     parts = state.state_shards(engine)
-    sums = _checksums(comm, names, parts)
+    blocks = state.block_shards(engine)
+    sums = _checksums(comm, names, parts + _owned(blocks))
     token = comm.allgather(f"{os.getpid()}-{secrets.token_hex(6)}" if comm.rank == 0 else None)[0]
     tmp = f"{path}.tmp-{token}"
     verdict = comm.verdict()
@@ -107,6 +115,7 @@ def _save(engine: Engine, path: str | os.PathLike) -> None:
             comm.size,
             max(b.size for b in engine.layout.buckets),
             engine.rule.state_labels(),
+            state.section_layouts(engine),
         )
     offsets = {s["name"]: s["offset"] for s in header["sections"]}
     fh = None
@@ -115,7 +124,7 @@ def _save(engine: Engine, path: str | os.PathLike) -> None:
     try:
         with verdict.catch():
             comm.set_file_size(fh, 0)
-        for name, first, shard in parts:
+        for name, first, shard in parts + _owned(blocks):
             itemsize = shard.dtype.itemsize
             data = shard if verdict.ok else shard[:0]  # keep the collective sequence
             with verdict.catch():
@@ -192,9 +201,15 @@ def check_compatible(engine: Engine, header: dict[str, Any], path: str) -> None:
     sections = sections_by_name(header)
     if header["sizes"] != sizes:
         raise CheckpointError(f"{path}: sizes {header['sizes']} differ from this model's {sizes}")
+    layouts = state.section_layouts(engine)
     for name in state.state_sections(engine):
         section = sections.get(name)
-        if section is None or section["count"] != sizes[name.rpartition(".")[2]]:
+        label, _, dtype = name.rpartition(".")
+        spec = layouts.get(label, {})
+        block = spec.get("block", 0)
+        count = -(-sizes[dtype] // block) if block else sizes[dtype]
+        if (section is None or section["count"] != count
+                or section["dtype"] != spec.get("dtype", dtype)):  # fmt: skip
             raise CheckpointError(f"{path}: section {name} is missing or has the wrong size")
 
 
@@ -216,6 +231,8 @@ def _load(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
     sections = sections_by_name(header)
     names = state.state_sections(engine)
     targets = state.state_shards(engine)
+    blocks = state.block_shards(engine)
+    targets += [(name, e.first, e.held) for name, e in blocks]  # (each block it holds)
     # Read this rank's shards into scratch copies: nothing is touched until every
     # checksum has been verified.
     scratch = [(name, first, np.empty_like(shard)) for name, first, shard in targets]
@@ -231,7 +248,10 @@ def _load(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
     finally:
         comm.close_file(fh)
     verdict.agree()
-    sums = _checksums(comm, names, scratch)
+    own = len(scratch) - len(blocks)  # the block states' entries this rank checksums:
+    sums = _checksums(comm, names, scratch[:own] + [  # the blocks it would write
+        (name, first + e.own.start, buf[e.own])
+        for (name, first, buf), (_, e) in zip(scratch[own:], blocks, strict=True)])  # fmt: skip
     bad = [n for n in names if hex_checksum(sums[n]) != sections[n]["checksum"]]
     if bad:  # the sums are allreduced: every rank sees the same list
         raise CheckpointError(

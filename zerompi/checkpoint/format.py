@@ -14,7 +14,11 @@ For every dtype of the model (in layout order) there is a section ``params.<dtyp
 and one per state of the update rule (Adam: ``exp_avg.<dtype>`` and
 ``exp_avg_sq.<dtype>``; SGD: ``momentum_buffer.<dtype>``; Lion: ``exp_avg.<dtype>``),
 each the full flat vector of that dtype (``sizes[dtype]`` elements, little-endian) in the
-*global* flat order: parameters of that dtype packed in the mapping's order. The
+*global* flat order: parameters of that dtype packed in the mapping's order. A state
+may be stored in another dtype (8-bit Adam's codes: ``exp_avg_codes.float32`` holds
+one ``uint8`` per element) or hold one entry per block of the flat vector (its scales:
+``exp_avg_scales.float32``, ``"block": 256`` in the section, ``ceil(n / 256)``
+entries); the section's ``dtype`` and ``count`` say so. The
 order does not depend on the world size, the stage or the bucketing, so a
 checkpoint saved by any world loads into any other.
 
@@ -30,7 +34,7 @@ The JSON header::
      "stage": ..., "world_size": ..., "max_bucket_elems": ...}
 
 Section checksum: the section viewed as words ``w_i`` (``uint32`` for float32,
-``uint64`` for float64), ``s1 = sum(w_i) mod 2**64`` and
+``uint64`` for float64, the bytes for uint8), ``s1 = sum(w_i) mod 2**64`` and
 ``s2 = sum((i + 1) * w_i) mod 2**64`` with ``i`` the global word index. Both are
 sums, so every rank checksums only its own shards and the parts are added up
 (modulo 2**64) with one allreduce; :func:`read` recomputes them over whole sections.
@@ -64,8 +68,8 @@ BLOCK = 1 << 18
 #: Elements per block when :func:`verify` reads a section.
 READ_BLOCK = 1 << 22
 
-_WORD = {"float32": np.dtype("<u4"), "float64": np.dtype("<u8")}
-_DTYPE = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
+_WORD = {"float32": np.dtype("<u4"), "float64": np.dtype("<u8"), "uint8": np.dtype("u1")}
+_DTYPE = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8"), "uint8": np.dtype("u1")}
 #: The sections of a file of the Adam rule (and of every file written before rules).
 KINDS = ("params", "exp_avg", "exp_avg_sq")
 
@@ -142,15 +146,25 @@ def build_header(
     world_size: int,
     max_bucket_elems: int,
     states: Sequence[str] = KINDS[1:],
+    layouts: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
     """The file's first bytes (prefix, JSON, padding) and the header dict, with every
     section's absolute offset. ``checksums`` maps section name -> (s1, s2);
-    ``states``: the update rule's (Adam's by default)."""
-    sections = [
-        {"name": f"{kind}.{dtype}", "dtype": dtype, "count": int(n)}
-        for dtype, n in sizes.items()
-        for kind in ("params", *states)
-    ]
+    ``states``: the update rule's (Adam's by default); ``layouts``: per state whose
+    sections are not one element of the parameters' dtype per element, what they
+    are (``{"dtype": "uint8"}`` for 8-bit codes; ``{"dtype": "float32", "block":
+    256}`` for one scale per block of 256 elements)."""
+    layouts = layouts or {}
+    sections = []
+    for dtype, n in sizes.items():
+        for kind in ("params", *states):
+            spec = layouts.get(kind, {})
+            block = int(spec.get("block", 0))
+            section = {"name": f"{kind}.{dtype}", "dtype": spec.get("dtype", dtype),
+                       "count": -(-int(n) // block) if block else int(n)}  # fmt: skip
+            if block:
+                section["block"] = block
+            sections.append(section)
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -275,7 +289,8 @@ def sections_by_name(header: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def read(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     """Everything in a checkpoint, as numpy arrays (no MPI): ``{"params": {name:
-    array}, <each state of the rule>: {...} (Adam: "exp_avg", "exp_avg_sq"),
+    array}, <each state of the rule>: {...} (Adam: "exp_avg", "exp_avg_sq"; a state
+    with one entry per block, 8-bit Adam's scales: ``{dtype: the flat blocks}``),
     "optimizer": {...}, "world_size", "stage", "header"}``. Verifies every checksum
     unless ``verify`` is false; raises :class:`CheckpointError` (a ``ValueError``)
     for a truncated, corrupted or foreign file."""
@@ -284,6 +299,7 @@ def read(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     sections = sections_by_name(header)
     kinds = ("params", *state_names(header))
     out: dict[str, Any] = {kind: {} for kind in kinds}
+    per_block: set[str] = set()
     for kind in kinds:
         for dtype in header["sizes"]:
             section = sections.get(f"{kind}.{dtype}")
@@ -292,11 +308,17 @@ def read(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
             flat = _read_section(path, section)
             if verify:
                 _check_section(path, section, flat)
+            if section.get("block"):  # one entry per block of the flat parameters
+                out[kind][dtype] = flat
+                per_block.add(kind)
+                continue
             for p in header["params"]:
                 if p["dtype"] == dtype:
                     n = int(np.prod(p["shape"], dtype=np.int64))
                     out[kind][p["name"]] = flat[p["offset"] : p["offset"] + n].reshape(p["shape"])
     for kind in kinds:
+        if kind in per_block:
+            continue
         out[kind] = {p["name"]: out[kind][p["name"]] for p in header["params"]}
     out["optimizer"] = header["optimizer"]
     out["world_size"] = header["world_size"]

@@ -387,6 +387,16 @@ class Comm(FileIO, Agreement):
         """Sum of a scalar over ranks."""
         return self._reduce_scalar(value, MPI.SUM)
 
+    def max_inplace(self, buf: np.ndarray) -> None:
+        """Collective: the elementwise maximum of a small array (float32 or float64)
+        over ranks, in place on every rank. A control message (the scales of the
+        8-bit blocks that ranks share, a few numbers per part), not counted as
+        data-path traffic. A maximum is exact: every rank gets the same bits."""
+        self._blocking(
+            "allreduce", -1,
+            lambda: self.mpi.Allreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.MAX),
+        )  # fmt: skip
+
     def allgather_float64(self, values: np.ndarray, op: str = "allgather") -> np.ndarray:
         """Collective: every rank's small 1-D ``float64`` array, stacked in rank order
         as a new ``(size, len(values))`` array, identical on every rank. Summing its

@@ -13,6 +13,7 @@ MPI_TYPES = {
     np.dtype(np.float32): MPI.FLOAT,
     np.dtype(np.float64): MPI.DOUBLE,
     np.dtype(np.uint16): MPI.UINT16_T,  # 16-bit floats, moved (never summed) as uint16
+    np.dtype(np.uint8): MPI.UINT8_T,  # 8-bit optimizer states' codes, moved, never summed
 }
 
 

@@ -17,7 +17,9 @@ The rules, chosen by ``ZeroConfig(optimizer=...)``:
   :mod:`zerompi.adam`);
 * ``"sgd"``: SGD with momentum, dampening and Nesterov, torch's ``SGD``
   (:mod:`zerompi.rules.sgd`);
-* ``"lion"``: Lion, Chen et al. 2023 (:mod:`zerompi.rules.lion`).
+* ``"lion"``: Lion, Chen et al. 2023 (:mod:`zerompi.rules.lion`);
+* ``"adam8bit"``: Adam/AdamW with its moments in 8 bits, blockwise (Dettmers et al.
+  2022; :mod:`zerompi.rules.adam8`).
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from __future__ import annotations
 from typing import Any
 
 from .adam import ADAM
+from .adam8 import ADAM8BIT
 from .base import RULE_FIELDS, Rule, check_fields, write_low
 from .lion import LION
 from .sgd import SGD_RULE
 
 #: Every rule by name.
-RULES: dict[str, Rule] = {r.name: r for r in (ADAM, SGD_RULE, LION)}
+RULES: dict[str, Rule] = {r.name: r for r in (ADAM, SGD_RULE, LION, ADAM8BIT)}
 
 
 def rule_of(name: Any) -> Rule:

@@ -35,6 +35,8 @@ class Rule(ABC):
     #: their own: the registered rules are shared.
     kernel: str | None = None
     variant: str | None = None
+    #: The master dtypes it runs on (``None``: any).
+    dtypes: ClassVar[tuple[str, ...] | None] = None
 
     @abstractmethod
     def base(self, config: Any) -> Any:
@@ -44,14 +46,45 @@ class Rule(ABC):
     def update(
         self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
         config: Any, scratch: np.ndarray, divisor: float, low: np.ndarray | None,
-        stochastic: tuple[int, int] | None,
-    ) -> None:  # fmt: skip
+        stochastic: tuple[int, int] | None, offset: int = 0,
+    ) -> Any:  # fmt: skip
         """One step on 1-D views of equal length, in place. ``grad`` holds the
         gradient summed over ranks and micro-batches and is consumed; dividing it by
         ``divisor`` gives the averaged (clipped, unscaled) gradient. ``step`` is the
         1-based step count. ``low``, where given, receives the updated parameters
         rounded to its narrower dtype (nearest even, or ``stochastic=(key, base)``:
-        :func:`zerompi.adam.stochastic_round`)."""
+        :func:`zerompi.adam.stochastic_round`).
+
+        A state with one entry per block (:attr:`StateKind.block
+        <zerompi.buffers.StateKind.block>`) comes as the entries of the blocks the
+        elements touch, and ``offset`` is the global element (in the flat parameters
+        of its dtype) of ``param[0]``. What the update returns, if not ``None``, is
+        handed to :meth:`finish` at the end of the step's update."""
+
+    def finish(self, pending: list[Any], agree: Any) -> None:
+        """Collective, at the end of every update of a rule with per-block states:
+        ``pending`` is what this rank's :meth:`update` calls returned, ``agree`` a
+        :class:`zerompi.blockwise.Agreement` (the blocks several parts share get the
+        largest value proposed for them). Rules without block states never see it."""
+        return None
+
+    @property
+    def block(self) -> int:
+        """The block size of its per-block states (``0``: it has none)."""
+        return max((s.block for s in self.states), default=0)
+
+    def check(self, dtypes: Sequence[np.dtype], elastic: bool) -> None:
+        """Raise (a ``ValueError`` naming the value) where the rule cannot run on
+        parameters of ``dtypes`` or with elastic snapshots."""
+        if self.dtypes is not None:
+            bad = [d.name for d in dtypes if d.name not in self.dtypes]
+            if bad:
+                raise ValueError(
+                    f"optimizer={self.name!r} runs on {', '.join(self.dtypes)} parameters "
+                    f"only; this model has {', '.join(bad)} ones")  # fmt: skip
+        if elastic and self.block:
+            raise ValueError(f"optimizer={self.name!r} cannot be elastic yet: its per-block "
+                             "states are not in the snapshots (use elastic=False)")  # fmt: skip
 
     def group(self, base: Any, entry: Mapping[str, Any], where: str) -> Any:
         """A parameter group's hyperparameters: ``base`` with the group's settings."""

@@ -1,0 +1,197 @@
+"""8-bit Adam (``optimizer="adam8bit"``, :mod:`zerompi.rules.adam8`) in the engine:
+against :class:`zerompi.reference.ReferenceAdam8bit` on the whole model, bit for bit
+(parameters, codes and scales), at every stage and layout on every communicator of
+the ``comm`` fixture (so at every world size the suite runs at), with buckets and
+shards that begin and end inside a block of 256 (the blocks those cut are agreed
+between ranks) and one-element buckets (most ranks own nothing); its checkpoints at
+any world size and stage, its memory, and the errors for what it does not run on."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import (
+    F32,
+    MODES,
+    assert_all,
+    assert_raises_all,
+    backward,
+    make_params,
+    mean_grads,
+    mismatches,
+    paired_cases,
+    rank_grads,
+    spec_of,
+    train,
+    verdict,
+)
+from mpi4py import MPI
+
+from zerompi import ZeroOptimizer
+from zerompi.checkpoint import CheckpointError, read
+from zerompi.memory import estimate
+from zerompi.reference import ReferenceAdam8bit
+
+WORLD = MPI.COMM_WORLD
+
+#: Sizes that put block edges (every 256 elements) inside tensors, buckets and shards.
+SHAPES: dict[str, tuple[int, ...]] = {
+    "emb": (37, 19),  # 703
+    "b": (5,),
+    "w": (300,),
+    "one": (1,),
+    "big": (9, 70),  # 630
+    "tail": (3,),
+}
+SETTINGS: dict[str, dict[str, Any]] = {
+    "adamw": {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": True},
+    "adam-l2": {"lr": 1e-2, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6},
+}
+BUCKETS = [1, 100, 257, None]
+
+CASES, IDS = paired_cases(
+    ((mode, setting, BUCKETS[i % len(BUCKETS)])
+     for i, (mode, setting) in enumerate(itertools.product(MODES, SETTINGS))),
+    lambda m, s, b: f"{m}-{s}-bucket{b}",
+)  # fmt: skip
+
+
+def reference(params: dict[str, np.ndarray], setting: dict[str, Any]) -> ReferenceAdam8bit:
+    return ReferenceAdam8bit(params, **setting)
+
+
+@pytest.mark.parametrize(("comm", "mode", "setting", "bucket_elems"), CASES, ids=IDS,
+                         indirect=["comm"])  # fmt: skip
+def test_matches_reference(
+    comm: MPI.Intracomm, mode: str, setting: str, bucket_elems: int | None
+) -> None:
+    """Four steps: the parameters after every step, the codes and scales after the
+    first and the last, bit for bit."""
+    stage, api = MODES[mode]
+    spec = spec_of(SHAPES, F32)
+    params = make_params(spec)
+    extra = {} if bucket_elems is None else {"bucket_elems": bucket_elems}
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, optimizer="adam8bit",
+                        **SETTINGS[setting], **extra)  # fmt: skip
+    ref = reference(params, SETTINGS[setting])
+    verdict(train(opt, ref, spec, 4, check_state=lambda step: step == 0, api=api))
+    opt.close()
+
+
+def _shared_path(directory: Path, comm: MPI.Intracomm, name: str) -> str:
+    root = comm.bcast(WORLD.rank, root=0)
+    return str(directory / f"{name}-w{comm.Get_size()}-r{root}.ckpt")
+
+
+def test_checkpoint_at_another_world_size_and_stage(mpi_tmp_path: Path) -> None:
+    """Saved by the world at stage 2 (shards and buckets cutting blocks), read with
+    numpy (codes as uint8 per parameter, scales per block), loaded by the world at
+    stages 0 and 3 and by a single rank at every stage, then trained on: the same
+    parameters, codes and scales as the reference trained without the checkpoint.
+    A corrupted scale is refused on every rank, nothing loaded."""
+    spec = spec_of(SHAPES, F32)
+    params = make_params(spec)
+    setting = SETTINGS["adamw"]
+    path = _shared_path(mpi_tmp_path, WORLD, "adam8")
+    opt = ZeroOptimizer(params, comm=WORLD, stage=2, bucket_elems=100, optimizer="adam8bit",
+                        **setting)  # fmt: skip
+    for step in range(2):
+        backward(opt, rank_grads(spec, step, WORLD.rank), "streamed")
+        opt.step()
+    opt.save(path)
+    saved, state = read(path), opt.gather_state()
+    opt.close()
+    problems = []
+    for label, values in state.items():
+        for key, value in values.items():
+            there = saved[label][key]
+            if not np.array_equal(there, value) or there.dtype != value.dtype:
+                problems.append(f"{label}[{key!r}] in the file differs")
+    ref = reference(params, setting)
+    for step in range(2):
+        ref.step(mean_grads(spec, step, WORLD.size))
+    for stage in (0, 3):
+        again = ZeroOptimizer(make_params(spec, seed=3), comm=WORLD, stage=stage, bucket_elems=57,
+                              optimizer="adam8bit", **setting)  # fmt: skip
+        again.load(path)
+        problems += mismatches(again, ref, True, f"world, stage {stage}")
+        again.close()
+    for stage in range(4):
+        single = ZeroOptimizer(make_params(spec, seed=3), comm=MPI.COMM_SELF, stage=stage,
+                               bucket_elems=7, optimizer="adam8bit", **setting)  # fmt: skip
+        single.load(path)
+        ahead = reference(params, setting)
+        for step in range(2):
+            ahead.step(mean_grads(spec, step, WORLD.size))
+        for step in range(2, 4):
+            backward(single, rank_grads(spec, step, 0), "streamed" if stage == 3 else "grads")
+            single.step()
+            ahead.step(mean_grads(spec, step, 1))
+        problems += mismatches(single, ahead, True, f"single rank, stage {stage}")
+        single.close()
+    assert_all(not problems, "\n".join(problems[:8]))
+    if WORLD.rank == 0:  # one flipped byte in a section of scales
+        section = next(s for s in read(path)["header"]["sections"]
+                       if s["name"] == "exp_avg_sq_scales.float32")  # fmt: skip
+        with open(path, "r+b") as f:
+            f.seek(section["offset"] + 4 * (section["count"] - 1))
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x40]))
+    WORLD.barrier()
+    fresh = ZeroOptimizer(params, comm=WORLD, stage=1, optimizer="adam8bit", **setting)
+    assert_raises_all(CheckpointError, "exp_avg_sq_scales.float32", lambda: fresh.load(path))
+    assert_all(fresh.step_count == 0 and all(
+        np.array_equal(v, params[n]) for n, v in fresh.full_params().items()), "state changed")
+    fresh.close()
+
+
+LAYOUT = [("a", (37, 19), F32), ("b", (5,), F32), ("c", (300,), F32), ("d", (), F32)]
+
+
+def test_estimate_equals_the_optimizer(comm: MPI.Intracomm) -> None:
+    """Every buffer, every stage, to the byte: the codes, and the scales of every
+    block each part touches (a block cut by a part boundary counted by each)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    problems = []
+    for stage in range(4):
+        for bucket_elems in (1, 100, 300):
+            params = {n: np.zeros(s, d) for n, s, d in LAYOUT}
+            opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems,
+                                optimizer="adam8bit")  # fmt: skip
+            est = estimate(LAYOUT, size, rank, stage, bucket_elems, optimizer="adam8bit",
+                           ranks_per_node=max(map(len, opt.nodes.members)))  # fmt: skip
+            if list(est["buffers"].items()) != list(opt.memory_buffers().items()):
+                problems.append(f"stage {stage} bucket {bucket_elems}: "
+                                f"{est['buffers']} != {opt.memory_buffers()}")  # fmt: skip
+            if est["usage"] != opt.memory_usage():
+                problems.append(f"stage {stage}: usage differs")
+            opt.close()
+    assert_all(not problems, "\n".join(problems[:6]))
+
+
+def test_state_bytes_are_a_quarter_of_adams() -> None:
+    """16M float32 parameters over 4 ranks at stage 1: the optimizer states of rank 0
+    (codes 2 bytes per element, two float32 scales per 256) are 0.254 of Adam's (the
+    target: at most 0.27)."""
+    specs = [("w", (4096, 4096), F32)]
+    states = {r: estimate(specs, 4, 0, 1, optimizer=r)["usage"]["optimizer_states"]
+              for r in ("adam", "adam8bit")}  # fmt: skip
+    n = 4096 * 4096 // 4
+    assert states == {"adam": 8 * n, "adam8bit": 2 * n + 8 * (n // 256)}, states
+    assert states["adam8bit"] / states["adam"] < 0.255
+
+
+def test_what_it_does_not_run_on_is_refused_everywhere(comm: MPI.Intracomm) -> None:
+    """float64 parameters and elastic snapshots: an error naming them, on every rank."""
+    params = {"w": np.zeros(300, np.float32), "d": np.zeros(3, np.float64)}
+    assert_raises_all(ValueError, "runs on float32 parameters only; this model has float64",
+                      lambda: ZeroOptimizer(params, comm=comm, optimizer="adam8bit"))  # fmt: skip
+    params = {"w": np.zeros(300, np.float32)}
+    assert_raises_all(ValueError, "optimizer='adam8bit' cannot be elastic",
+                      lambda: ZeroOptimizer(params, comm=comm, optimizer="adam8bit",
+                                            elastic=True))  # fmt: skip
