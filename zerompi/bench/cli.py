@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from ..mpi.collectives import Comm
 from ..mpi.launch import install_abort_hook
 from ..partition import DEFAULT_BUCKET_ELEMS, STAGES
+from ..rules import RULES
 from ..runtime import (
     HelpFormatter,
     Parser,
@@ -127,7 +128,7 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         "--dtype", choices=("float32", "float64"), default="float32", help="dtype of everything"
     )
     p.add_argument(
-        "--optimizer", choices=("adam", "sgd", "lion"), default="adam",
+        "--optimizer", choices=tuple(RULES), default="adam",
         help="the update rule the stages run (zerompi.rules; SGD with momentum 0.9); its "
         "floor counts its states",
     )  # fmt: skip

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from ..mpi.collectives import Comm
 from ..partition import DEFAULT_BUCKET_ELEMS, STAGES
+from ..rules import RULES
 from ..runtime import (
     HelpFormatter,
     Parser,
@@ -19,7 +20,7 @@ from ..runtime import (
     prepare_outputs,
 )
 from .training import micro_batch_rows
-from .verify import NORM_TOLERANCE, TOLERANCE
+from .verify import EIGHT_BIT_TOLERANCE, NORM_TOLERANCE, TOLERANCE
 
 
 def build_parser(rank: int = 0) -> argparse.ArgumentParser:
@@ -54,6 +55,9 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
             "in different orders, and the hidden activation is smooth (tanh) so that these "
             "rounding differences stay rounding differences. The norm check is what catches "
             "a wrongly averaged gradient, which Adam's m/sqrt(v) would otherwise hide. "
+            f"With --optimizer adam8bit on more than one rank: {EIGHT_BIT_TOLERANCE[0]:g} "
+            f"and {EIGHT_BIT_TOLERANCE[1]:g} (a gradient summed in another order flips an "
+            "8-bit code now and then). "
             "After --resume, the summary and the JSON's steps_run count the steps this run "
             "made, from first_step to steps."
         ),
@@ -114,8 +118,9 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         "(gradient accumulation); each must get at least one row",
     )
     p.add_argument(
-        "--optimizer", choices=("adam", "sgd", "lion"), default="adam",
-        help="the update rule (zerompi.rules): Adam/AdamW, SGD with momentum, Lion",
+        "--optimizer", choices=tuple(RULES), default="adam",
+        help="the update rule (zerompi.rules): Adam/AdamW, SGD with momentum, Lion, "
+        "Adam/AdamW with 8-bit states",
     )  # fmt: skip
     p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate")
     p.add_argument(

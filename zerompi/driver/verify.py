@@ -28,7 +28,7 @@ import numpy as np
 from .. import mlp
 from ..partition import shard_range
 from ..precision import loss_scale_of, resolve_dtype
-from ..reference import ReferenceAdam, ReferenceLion, ReferenceSGD, average
+from ..reference import ReferenceAdam, ReferenceAdam8bit, ReferenceLion, ReferenceSGD, average
 from ..runtime import clock
 from .training import loss_scale_arg, micro_batch_rows
 
@@ -42,6 +42,15 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 #: reference's (the largest over the steps run).
 NORM_TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 
+#: ``--optimizer adam8bit`` on more than one rank: (parameters, gradient norm). An
+#: 8-bit code is a step function of its moment, so a gradient summed in another order
+#: (the W-rank run against the one-process reference) flips a code now and then, and
+#: the two runs part by a fraction of a quantization step per flip (measured: 3.6e-3
+#: and 3.4e-4 after the default 200 steps at W = 2-4). Both are still far below what a
+#: wrongly averaged gradient does to the norm (a factor of W); on one rank the run is
+#: bit for bit.
+EIGHT_BIT_TOLERANCE = (2e-2, 2e-3)
+
 
 def reference_optimizer(
     args: argparse.Namespace, params: dict[str, np.ndarray]
@@ -53,6 +62,9 @@ def reference_optimizer(
                             decoupled_weight_decay=args.adamw)  # fmt: skip
     if args.optimizer == "lion":
         return ReferenceLion(params, lr=args.lr, weight_decay=args.weight_decay)
+    if args.optimizer == "adam8bit":
+        return ReferenceAdam8bit(params, lr=args.lr, weight_decay=args.weight_decay,
+                                 decoupled_weight_decay=args.adamw)  # fmt: skip
     return ReferenceAdam(params, lr=args.lr, weight_decay=args.weight_decay,
                          decoupled_weight_decay=args.adamw)  # fmt: skip
 
@@ -203,6 +215,9 @@ def verify(
             "grad_norm_tolerance": NORM_TOLERANCE[args.dtype],
             "reference_s": clock() - start,
         }
+        if args.optimizer == "adam8bit" and opt.comm.size > 1:
+            result["tolerance"] = max(result["tolerance"], EIGHT_BIT_TOLERANCE[0])
+            result["grad_norm_tolerance"] = EIGHT_BIT_TOLERANCE[1]
         result["ok"] = (
             result["max_rel_diff"] <= result["tolerance"]
             and norm_diff <= result["grad_norm_tolerance"]

@@ -13,6 +13,7 @@ from .. import mlp
 from ..buffers import CATEGORIES
 from ..partition import DEFAULT_BUCKET_ELEMS, STAGES
 from ..precision import NAMES
+from ..rules import RULES
 from ..runtime import add_shared_memory_options
 from . import Spec, estimate, estimate_max, estimate_node, flat_specs, mlp_specs
 
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "shard state once, its buddy's twice), and no node shared memory")
     p.add_argument("--snapshot-every", type=_positive, default=10, metavar="K",
                    help="with --elastic: a snapshot every K steps (its traffic per step)")
-    p.add_argument("--optimizer", choices=("adam", "sgd", "lion"), default="adam",
+    p.add_argument("--optimizer", choices=tuple(RULES), default="adam",
                    help="the update rule, whose states are counted (zerompi.rules)")
     p.add_argument("--per-rank", action="store_true", help="also give the figures of every rank")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")

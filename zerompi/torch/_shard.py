@@ -175,9 +175,10 @@ def _buffer_hook(views: dict[torch.nn.Parameter, torch.Tensor]) -> Any:
 #: Where ``shard()`` without a config starts from: ``torch.optim.AdamW``'s defaults,
 #: not :class:`zerompi.ZeroConfig`'s (stage 1, no weight decay, Adam): stage 2, weight
 #: decay 0.01, decoupled; and one staging slot at stage 3 (``overlap=False``), whose
-#: largest bucket is often the embedding. With another ``optimizer`` (``"sgd"``,
-#: ``"lion"``) only the stage and the staging slot: their weight decay defaults to 0,
-#: as torch's ``SGD``'s. A config passed in is used as given.
+#: largest bucket is often the embedding (also for ``optimizer="adam8bit"``). With
+#: another ``optimizer`` (``"sgd"``, ``"lion"``) only the stage and the staging slot:
+#: their weight decay defaults to 0, as torch's ``SGD``'s. A config passed in is used
+#: as given.
 TORCH_DEFAULTS: dict[str, Any] = {"stage": 2, "weight_decay": 0.01, "decoupled_weight_decay": True}
 
 
@@ -185,7 +186,7 @@ def torch_config(config: ZeroConfig | None, keywords: dict[str, Any]) -> ZeroCon
     """The config ``shard(model, config, **keywords)`` uses (see :data:`TORCH_DEFAULTS`)."""
     if config is not None:
         return config_of(config, keywords)
-    adam = keywords.get("optimizer", "adam") == "adam"
+    adam = keywords.get("optimizer", "adam") in ("adam", "adam8bit")
     settings = {**(TORCH_DEFAULTS if adam else {"stage": TORCH_DEFAULTS["stage"]}), **keywords}
     if settings.get("overlap") is None:  # (None: the default, by stage)
         settings["overlap"] = settings["stage"] != 3
