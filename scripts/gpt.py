@@ -18,6 +18,7 @@ data are :mod:`zerompi.torch.gpt`'s (also timed by ``python -m zerompi.bench --m
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 
@@ -41,6 +42,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="sequences per rank and step")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--every", type=int, default=20, help="print every this many steps")
+    parser.add_argument("--optimizer", choices=["adam", "adam8bit"], default="adam",
+                        help="AdamW, or AdamW with 8-bit states (zerompi.rules)")
+    parser.add_argument("--json", default=None,
+                        help="write every step's loss (mean over the ranks) here (rank 0)")
     parser.add_argument("--param-dtype", choices=["bfloat16"], default=None,
                         help="compute in bfloat16 (float32 master, float32 reduction)")
     parser.add_argument("--no-shared-memory", action="store_true",
@@ -56,7 +61,8 @@ def main() -> None:
     decay = [p for p in trainable if p.dim() >= 2 and p is not model.pos]
     no_decay = [p for p in trainable if p.dim() < 2] + [model.pos]
     groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-    model, opt = shard(model, stage=args.stage, lr=args.lr, weight_decay=0.1,
+    model, opt = shard(model, stage=args.stage, optimizer=args.optimizer, lr=args.lr,
+                       weight_decay=0.1,
                        betas=(0.9, 0.95), param_groups=groups, max_norm=1.0,
                        param_dtype=args.param_dtype,
                        shared_memory=False if args.no_shared_memory else None)  # fmt: skip
@@ -68,6 +74,7 @@ def main() -> None:
               f"{args.rows * comm.size} sequences of {args.seq} tokens per step")  # fmt: skip
     start, tokens = time.perf_counter(), 0
     half = args.seq // 2
+    curve = []
     for step in range(args.steps):
         data = batch(step, comm.rank, args.rows, args.seq, args.vocab)
         logits = model(data[:, :-1]).float()
@@ -77,6 +84,8 @@ def main() -> None:
         opt.zero_grad()
         sched.step()
         tokens += args.rows * args.seq * comm.size
+        if args.json:
+            curve.append(comm.allreduce(losses.mean().item()) / comm.size)
         if step % args.every == 0 or step == args.steps - 1:
             second = comm.allreduce(losses[:, half:].mean().item()) / comm.size
             whole = comm.allreduce(losses.mean().item()) / comm.size
@@ -85,6 +94,10 @@ def main() -> None:
                 print(f"step {step:4d}  loss {whole:.3f}  second half {second:.3f}  "
                       f"{rate:,.0f} tokens/s")  # fmt: skip
     opt.close()
+    if args.json and comm.rank == 0:
+        with open(args.json, "w") as f:
+            json.dump({"optimizer": args.optimizer, "stage": args.stage, "ranks": comm.size,
+                       "parameters": n, "losses": curve}, f)  # fmt: skip
 
 
 if __name__ == "__main__":
