@@ -36,7 +36,7 @@ def main() -> None:
     p32, m, v = rng.standard_normal(n, dtype=np.float32), np.zeros(n, np.float32), np.zeros(
         n, np.float32)
     p8 = p32.copy()
-    qm = np.full(n, quant.zero_code(quant.SIGNED), np.uint8)
+    qm = np.zeros(n, np.uint8)
     qv = np.zeros(n, np.uint8)
     nb = n // quant.BLOCK
     sm, sv = np.zeros(nb, np.float32), np.zeros(nb, np.float32)

@@ -17,41 +17,68 @@ MAPS = {"signed": quant.SIGNED, "unsigned": quant.UNSIGNED}
 
 
 @pytest.mark.parametrize("kind", list(MAPS))
-def test_maps_are_256_sorted_codes_with_zero_and_one(kind: str) -> None:
-    codes = MAPS[kind]
-    assert codes.dtype == np.float32 and codes.shape == (256,)
-    assert np.all(np.diff(codes) > 0)
-    assert 0.0 in codes and codes[-1] == 1.0
-    assert codes[0] == (-1.0 if kind == "signed" else 0.0)
-    # dynamic: a value 1000x below its block's largest is still among close codes
-    small = codes[(codes > 1e-3) & (codes < 1e-2)]
-    assert small.shape[0] >= (16 if kind == "signed" else 32)
+def test_formats_are_256_distinct_codes_with_zero_and_one(kind: str) -> None:
+    """Every byte a distinct value (but -0 in the signed format), 0 and 1 among them,
+    eight codes in every binade: dense near zero in relative terms."""
+    fmt = MAPS[kind]
+    table = fmt.table
+    assert table.dtype == np.float32 and table.shape == (256,)
+    assert table[0] == 0.0 and 1.0 in table
+    distinct = np.unique(table)
+    assert distinct.shape[0] == (255 if kind == "signed" else 256)
+    positive = np.sort(table[table > 0])
+    assert positive[0] == np.float32(2.0**-fmt.sub)  # the smallest: 2^-17, 2^-33
+    for k in (1, 5, 10):  # a value 2^-k below its block's largest: 8 codes in its binade
+        binade = positive[(positive >= 2.0**-k) & (positive < 2.0 ** (1 - k))]
+        assert binade.shape[0] == 8
 
 
 @pytest.mark.parametrize("kind", list(MAPS))
 def test_quantize_takes_the_nearest_code(kind: str) -> None:
-    codes = MAPS[kind]
+    """The code's value is the nearest of all 256 to ``x / scale`` (computed as
+    ``|x| * (1 / scale)``), exact ties to the even code; the block's largest is
+    exact; what is stored re-quantizes to itself."""
+    fmt = MAPS[kind]
+    codes = fmt.table
     rng = np.random.default_rng(1)
-    x = (rng.standard_normal(3000) * np.logspace(-6, 0, 3000)).astype(np.float32)
+    x = (rng.standard_normal(3000) * np.logspace(-12, 0, 3000)).astype(np.float32)
     if kind == "unsigned":
         x = np.abs(x)
     x[:5] = 0.0
+    mags = np.unique(np.abs(codes)).astype(np.float64)  # every code, in a block of scale 1
+    x[256 : 256 + mags.shape[0]] = mags
+    mids = (mags[:-1] + mags[1:]) / 2  # every midpoint (rounded to float32), and 1.0
+    x[512 : 512 + mids.shape[0]] = mids
+    x[512 + mids.shape[0]] = 1.0
     scales = quant.block_max(x, 0)
     q = np.empty(x.shape, np.uint8)
-    quant.quantize(x, 0, scales, codes, q)
+    quant.quantize(x, 0, scales, fmt, q)
     for b in range(scales.shape[0]):
-        y = x[b * quant.BLOCK : (b + 1) * quant.BLOCK] / scales[b]
-        got = np.abs(codes[q[b * quant.BLOCK : (b + 1) * quant.BLOCK]] - y)
-        best = np.min(np.abs(codes[None, :] - y[:, None]), axis=1)
-        # (the thresholds are float32: a tie may go either way within one ulp)
-        assert np.all(got <= best + np.spacing(np.float32(1))), f"block {b}: not the nearest"
+        part = x[b * quant.BLOCK : (b + 1) * quant.BLOCK]
+        y = np.abs(part) * quant.reciprocal(scales[b])
+        mine = q[b * quant.BLOCK : (b + 1) * quant.BLOCK]
+        got = np.abs(np.abs(codes[mine]).astype(np.float64) - y)
+        best = np.min(np.abs(np.abs(codes[None, :]).astype(np.float64) - y[:, None]), axis=1)
+        assert np.all(got == best), f"block {b}: not the nearest"
+        if fmt.signed:
+            assert np.array_equal(mine >= 128, np.signbit(part)), f"block {b}: signs"
     out = np.empty(x.shape, np.float32)
-    quant.dequantize(q, 0, scales, codes, out)
-    assert np.array_equal(out == 0, x == 0) or kind == "signed"
+    quant.dequantize(q, 0, scales, fmt, out)
     assert np.max(np.abs(out)) == np.max(np.abs(x))  # a block's largest is exact
     again = np.empty_like(q)  # what is stored is what a checkpoint re-reads, exactly
-    quant.quantize(out, 0, quant.block_max(out, 0), codes, again)
+    quant.quantize(out, 0, quant.block_max(out, 0), fmt, again)
     assert np.array_equal(again, q)
+
+
+def test_ties_go_to_the_even_code() -> None:
+    """Halfway between two normal codes, and between two subnormal ones."""
+    fmt = quant.UNSIGNED
+    t = fmt.table
+    for lo in (8, 100, 201, 3, 4):  # codes lo and lo + 1, their midpoint
+        mid = np.float32((np.float64(t[lo]) + np.float64(t[lo + 1])) / 2)
+        assert np.float64(mid) == (np.float64(t[lo]) + np.float64(t[lo + 1])) / 2
+        got = int(quant.encode(np.array([mid], np.float32), fmt)[0])
+        assert got == (lo if lo % 2 == 0 else lo + 1), (lo, got)
 
 
 def test_any_cut_into_parts_gives_the_same_bytes() -> None:

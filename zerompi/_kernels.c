@@ -13,6 +13,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -320,31 +321,42 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
     }
 
 /* 8-bit Adam (zerompi.quant.adam8_step): whole blocks of `block` elements, each
- * dequantized (codes[q] * scale, float32), stepped with ADAM_LOOP's arithmetic in
- * its order (bit for bit the numpy path's), its new largest magnitudes the new
- * scales, and re-quantized to the nearest code, ties to the lower: the count of
- * midpoints below y = x / scale, found from a table (km, kv) indexed by y's top 15
- * bits (sign, exponent, 6 mantissa bits) that holds the count of midpoints below the
- * smallest float with those bits, then two steps up where the next midpoint is below
- * y (a table entry's range holds at most two midpoints; the midpoints are padded with
- * +inf to 257). Branch-free inner loops, so each variant's compiler vectorizes them
- * (gathers for the codes, the table and the midpoints). */
+ * decoded (zerompi.quant.Format: E4M3 with a sign bit for m, E5M3 for v; times the
+ * block's scale), stepped with ADAM_LOOP's arithmetic in its order (bit for bit the
+ * numpy path's), its new largest magnitudes the new scales, and encoded again: the
+ * nearest code of |x| * (1 / scale), ties to even, computed from the float's bits
+ * (a rounding of the mantissa to three bits below the smallest normal's spacing by
+ * adding and subtracting 2^23). Branch-free inner loops without tables, so each
+ * variant's compiler vectorizes them. */
+static inline uint32_t pick8(int c, uint32_t x, uint32_t y)
+{ /* c ? x : y with masks: the compilers if-convert this (not a ternary over floats) */
+    const uint32_t m = -(uint32_t)(c != 0);
+    return (x & m) | (y & ~m);
+}
+static inline float dec8(uint32_t mag, uint32_t off8, float sub)
+{
+    return bits_f32(pick8(mag < 8u, f32_bits((float)(int32_t)mag * sub), (mag + off8) << 20));
+}
+static inline uint32_t enc8(float a, uint32_t off8, float min_normal, float sub_scale)
+{
+    const uint32_t u = f32_bits(a);
+    const uint32_t normal = ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - off8;
+    const uint32_t sub = f32_bits(a * sub_scale + 8388608.0f) - 0x4b000000u; /* rint */
+    return pick8(a < min_normal, sub, normal);
+}
+#define M_OFF8 (8u * (127u - 15u))
+#define V_OFF8 (8u * (127u - 31u))
 #define ADAM8_LOOP(NAME, ATTR)                                                            \
     ATTR static void NAME(                                                                \
         float *restrict p, const float *restrict g, uint8_t *restrict qm,                 \
         uint8_t *restrict qv, float *restrict sm, float *restrict sv, Py_ssize_t nblocks, \
-        Py_ssize_t block, double lr_, double b1_, double b2_, double eps_, double wd_,    \
-        int decoupled, double bc1_, double bc2_, double div_, const float *restrict cm,   \
-        const float *restrict mm, const float *restrict cv, const float *restrict mv,     \
-        const uint8_t *restrict km, const uint8_t *restrict kv, int zm, int zv,           \
-        float *restrict tm, float *restrict tv) {                                         \
+        Py_ssize_t block, double lr_, double b1_, double b2_, double alpha_, double eps_, \
+        double div_, double l2_, double dec_, float *restrict tm, float *restrict tv) {   \
         const float lr = (float)lr_, b1 = (float)b1_, b2 = (float)b2_, eps = (float)eps_; \
         const float omb1 = (float)(1.0 - b1_), omb2 = (float)(1.0 - b2_);                 \
-        const float wd = (float)wd_, bc1 = (float)bc1_, bc2 = (float)bc2_;                \
-        const float div = (float)div_;                                                    \
-        const float dv = div_ != 1.0 ? div : 1.0f;                                        \
-        const float l2 = wd_ != 0.0 && !decoupled ? wd : 0.0f;                            \
-        const float dec = wd_ != 0.0 && decoupled ? wd : 0.0f;                            \
+        const float alpha = (float)alpha_, dv = (float)div_;                              \
+        const float l2 = (float)l2_, dec = (float)dec_;                                   \
+        const float msub = 0x1p-17f, vsub = 0x1p-33f;                                     \
         for (Py_ssize_t b = 0; b < nblocks; b++) {                                        \
             const Py_ssize_t at = b * block;                                              \
             float *restrict pb = p + at;                                                  \
@@ -353,11 +365,15 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
             const float ms = sm[b], vs = sv[b];                                           \
             uint32_t mxb = 0, vxb = 0; /* |x|'s bits order as |x| does: an integer max */ \
             for (Py_ssize_t i = 0; i < block; i++) {                                      \
+                const uint32_t cm = qmb[i];                                               \
+                const float m0 = bits_f32(f32_bits(dec8(cm & 0x7fu, M_OFF8, msub))        \
+                                          | ((cm & 0x80u) << 24));                        \
+                const float v0 = dec8(qvb[i], V_OFF8, vsub);                              \
                 const float pi = pb[i];                                                   \
                 const float gi = gb[i] / dv + pi * l2;                                    \
-                const float mi = (cm[qmb[i]] * ms) * b1 + gi * omb1;                      \
-                const float vi = (cv[qvb[i]] * vs) * b2 + (gi * gi) * omb2;               \
-                const float u = (mi / bc1) / (sqrtf(vi / bc2) + eps) + pi * dec;          \
+                const float mi = (m0 * ms) * b1 + gi * omb1;                              \
+                const float vi = (v0 * vs) * b2 + (gi * gi) * omb2;                       \
+                const float u = (mi / (sqrtf(vi) + eps)) * alpha + pi * dec;              \
                 pb[i] = pi - u * lr;                                                      \
                 tm[i] = mi;                                                               \
                 tv[i] = vi;                                                               \
@@ -369,29 +385,22 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
             const float mx = bits_f32(mxb), vx = bits_f32(vxb);                           \
             sm[b] = mx;                                                                   \
             sv[b] = vx;                                                                   \
-            const float rm = mx != 0.0f ? mx : 1.0f, rv = vx != 0.0f ? vx : 1.0f;         \
+            const float rm = mx >= FLT_MIN ? 1.0f / mx : 0.0f;                            \
+            const float rv = vx >= FLT_MIN ? 1.0f / vx : 0.0f;                            \
             for (Py_ssize_t i = 0; i < block; i++) {                                      \
-                const float y = tm[i] / rm;                                               \
-                int k = km[f32_bits(y) >> 17];                                            \
-                k += mm[k] < y;                                                           \
-                k += mm[k] < y;                                                           \
-                qmb[i] = (uint8_t)(mx != 0.0f ? k : zm);                                  \
-                const float w = tv[i] / rv;                                               \
-                int j = kv[f32_bits(w) >> 17];                                            \
-                j += mv[j] < w;                                                           \
-                j += mv[j] < w;                                                           \
-                qvb[i] = (uint8_t)(vx != 0.0f ? j : zv);                                  \
+                const uint32_t bm = f32_bits(tm[i]);                                      \
+                const float a = bits_f32(bm & 0x7fffffffu) * rm;                          \
+                qmb[i] = (uint8_t)(enc8(a, M_OFF8, 0x1p-14f, 0x1p17f)                     \
+                                   | ((bm >> 24) & 0x80u));                               \
+                qvb[i] = (uint8_t)enc8(fabsf(tv[i]) * rv, V_OFF8, 0x1p-30f, 0x1p33f);     \
             }                                                                             \
         }                                                                                 \
     }
 
 typedef void (*adam8_fn)(float *restrict, const float *restrict, uint8_t *restrict,
                          uint8_t *restrict, float *restrict, float *restrict, Py_ssize_t,
-                         Py_ssize_t, double, double, double, double, double, int, double,
-                         double, double, const float *restrict, const float *restrict,
-                         const float *restrict, const float *restrict,
-                         const uint8_t *restrict, const uint8_t *restrict, int, int,
-                         float *restrict, float *restrict);
+                         Py_ssize_t, double, double, double, double, double, double, double,
+                         double, float *restrict, float *restrict);
 typedef void (*adam_f32_fn)(float *restrict, const float *restrict, float *restrict,
                             float *restrict, Py_ssize_t, double, double, double, double,
                             double, int, double, double, double);
@@ -447,6 +456,9 @@ typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int,
 
 #ifdef HAVE_AVX512F
 VARIANT_LOOPS(avx512f, __attribute__((target("avx512f"))))
+/* With AVX512BW the compiler vectorizes the 8-bit step's byte loads and stores at the
+ * full width (16 elements a vector, not 8): chosen where the CPU has it. */
+ADAM8_LOOP(adam8_float_avx512bw, __attribute__((target("avx512f,avx512bw"))))
 #endif
 #ifdef X86_VARIANTS
 VARIANT_LOOPS(avx2, __attribute__((target("avx2"))))
@@ -527,95 +539,6 @@ acc_float_f16_f16c(float *restrict out, const uint16_t *restrict part, Py_ssize_
 #endif
 
 
-#ifdef HAVE_AVX512F
-/* ADAM8_LOOP by hand for AVX-512 (the compiler does not use gather instructions when
- * tuning for a generic x86-64): the same operations in the same order, 16 elements
- * at a time, so the same bits. The codes and the midpoints are gathered as floats; the
- * search table is gathered as 32-bit words at byte offsets (three bytes of padding
- * after it) and masked to its byte. Blocks of a multiple of 16 elements only: others
- * take the compiled loop of the macro. */
-__attribute__((target("avx512f"))) static void
-adam8_float_avx512i(float *restrict p, const float *restrict g, uint8_t *restrict qm,
-                    uint8_t *restrict qv, float *restrict sm, float *restrict sv,
-                    Py_ssize_t nblocks, Py_ssize_t block, double lr_, double b1_, double b2_,
-                    double eps_, double wd_, int decoupled, double bc1_, double bc2_,
-                    double div_, const float *restrict cm, const float *restrict mm,
-                    const float *restrict cv, const float *restrict mv,
-                    const uint8_t *restrict km, const uint8_t *restrict kv, int zm, int zv,
-                    float *restrict tm, float *restrict tv)
-{
-    if (block % 16) {
-        adam8_float_avx512f(p, g, qm, qv, sm, sv, nblocks, block, lr_, b1_, b2_, eps_, wd_,
-                            decoupled, bc1_, bc2_, div_, cm, mm, cv, mv, km, kv, zm, zv, tm,
-                            tv);
-        return;
-    }
-    const __m512 lr = _mm512_set1_ps((float)lr_), b1 = _mm512_set1_ps((float)b1_);
-    const __m512 b2 = _mm512_set1_ps((float)b2_), eps = _mm512_set1_ps((float)eps_);
-    const __m512 omb1 = _mm512_set1_ps((float)(1.0 - b1_));
-    const __m512 omb2 = _mm512_set1_ps((float)(1.0 - b2_));
-    const __m512 bc1 = _mm512_set1_ps((float)bc1_), bc2 = _mm512_set1_ps((float)bc2_);
-    const __m512 dv = _mm512_set1_ps(div_ != 1.0 ? (float)div_ : 1.0f);
-    const __m512 l2 = _mm512_set1_ps(wd_ != 0.0 && !decoupled ? (float)wd_ : 0.0f);
-    const __m512 dec = _mm512_set1_ps(wd_ != 0.0 && decoupled ? (float)wd_ : 0.0f);
-    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), byte = _mm512_set1_epi32(0xff);
-    const __m512i one = _mm512_set1_epi32(1);
-    for (Py_ssize_t b = 0; b < nblocks; b++) {
-        const Py_ssize_t at = b * block;
-        const __m512 ms = _mm512_set1_ps(sm[b]), vs = _mm512_set1_ps(sv[b]);
-        __m512i mxb = _mm512_setzero_si512(), vxb = _mm512_setzero_si512();
-        for (Py_ssize_t i = 0; i < block; i += 16) {
-            const __m512 pi = _mm512_loadu_ps(p + at + i);
-            __m512 gi = _mm512_div_ps(_mm512_loadu_ps(g + at + i), dv);
-            gi = _mm512_add_ps(gi, _mm512_mul_ps(pi, l2));
-            const __m512i im =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qm + at + i)));
-            const __m512i iv =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qv + at + i)));
-            const __m512 m0 = _mm512_mul_ps(_mm512_i32gather_ps(im, cm, 4), ms);
-            const __m512 v0 = _mm512_mul_ps(_mm512_i32gather_ps(iv, cv, 4), vs);
-            const __m512 mi = _mm512_add_ps(_mm512_mul_ps(m0, b1), _mm512_mul_ps(gi, omb1));
-            const __m512 vi = _mm512_add_ps(_mm512_mul_ps(v0, b2),
-                                            _mm512_mul_ps(_mm512_mul_ps(gi, gi), omb2));
-            __m512 u = _mm512_div_ps(_mm512_div_ps(mi, bc1),
-                                     _mm512_add_ps(_mm512_sqrt_ps(_mm512_div_ps(vi, bc2)), eps));
-            u = _mm512_add_ps(u, _mm512_mul_ps(pi, dec));
-            _mm512_storeu_ps(p + at + i, _mm512_sub_ps(pi, _mm512_mul_ps(u, lr)));
-            _mm512_storeu_ps(tm + i, mi);
-            _mm512_storeu_ps(tv + i, vi);
-            mxb = _mm512_max_epu32(mxb, _mm512_and_si512(_mm512_castps_si512(mi), abs_mask));
-            vxb = _mm512_max_epu32(vxb, _mm512_and_si512(_mm512_castps_si512(vi), abs_mask));
-        }
-        const float mx = bits_f32(_mm512_reduce_max_epu32(mxb));
-        const float vx = bits_f32(_mm512_reduce_max_epu32(vxb));
-        sm[b] = mx;
-        sv[b] = vx;
-        const __m512 rm = _mm512_set1_ps(mx != 0.0f ? mx : 1.0f);
-        const __m512 rv = _mm512_set1_ps(vx != 0.0f ? vx : 1.0f);
-        const __m512i zmv = _mm512_set1_epi32(zm), zvv = _mm512_set1_epi32(zv);
-        for (Py_ssize_t i = 0; i < block; i += 16) {
-            const __m512 y = _mm512_div_ps(_mm512_loadu_ps(tm + i), rm);
-            __m512i k = _mm512_srli_epi32(_mm512_castps_si512(y), 17);
-            k = _mm512_and_si512(_mm512_i32gather_epi32(k, km, 1), byte);
-            k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(_mm512_i32gather_ps(k, mm, 4), y,
-                                                            _CMP_LT_OQ), k, one);
-            k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(_mm512_i32gather_ps(k, mm, 4), y,
-                                                            _CMP_LT_OQ), k, one);
-            if (mx == 0.0f) k = zmv;
-            _mm_storeu_si128((__m128i *)(qm + at + i), _mm512_cvtepi32_epi8(k));
-            const __m512 w = _mm512_div_ps(_mm512_loadu_ps(tv + i), rv);
-            __m512i j = _mm512_srli_epi32(_mm512_castps_si512(w), 17);
-            j = _mm512_and_si512(_mm512_i32gather_epi32(j, kv, 1), byte);
-            j = _mm512_mask_add_epi32(j, _mm512_cmp_ps_mask(_mm512_i32gather_ps(j, mv, 4), w,
-                                                            _CMP_LT_OQ), j, one);
-            j = _mm512_mask_add_epi32(j, _mm512_cmp_ps_mask(_mm512_i32gather_ps(j, mv, 4), w,
-                                                            _CMP_LT_OQ), j, one);
-            if (vx == 0.0f) j = zvv;
-            _mm_storeu_si128((__m128i *)(qv + at + i), _mm512_cvtepi32_epi8(j));
-        }
-    }
-}
-#endif
 
 static void
 init_variants(void)
@@ -632,7 +555,7 @@ init_variants(void)
     }
 #ifdef HAVE_AVX512F
     REGISTER(V_AVX512F, avx512f);
-    adam8_float_v[V_AVX512F] = adam8_float_avx512i;
+    if (__builtin_cpu_supports("avx512bw")) adam8_float_v[V_AVX512F] = adam8_float_avx512bw;
     variant_supported[V_AVX512F] = __builtin_cpu_supports("avx512f") != 0;
     if (__builtin_cpu_supports("f16c")) {
         round_float_v[V_AVX512F][1] = round_float_f16_f16c;
@@ -1154,31 +1077,27 @@ done:
 
 
 PyDoc_STRVAR(adam8_doc,
-"adam8(param, grad, qm, qv, sm, sv, lr, beta1, beta2, eps, weight_decay, decoupled,\n"
-"      bc1, bc2, divisor, codes_m, mids_m, codes_v, mids_v, table_m, table_v, block)\n\n"
+"adam8(param, grad, qm, qv, sm, sv, lr, beta1, beta2, alpha, eps, divisor, l2,\n"
+"      decoupled_decay, block)\n\n"
 "8-bit Adam on whole blocks: param, grad float32 (a multiple of block elements), qm,\n"
-"qv uint8 of as many, sm, sv float32 scales (one per block), the codes (256) and\n"
-"midpoints (255, then two +inf: 257) of each map, float32, and each map's search\n"
-"table (32768 uint8 and 3 of padding: zerompi.quant.search_table). In place; grad\n"
-"is read only.\n"
+"qv uint8 of as many (zerompi.quant's E4M3 with a sign and E5M3 codes), sm, sv\n"
+"float32 scales (one per block). alpha and eps: Adam's with the bias corrections\n"
+"folded in (zerompi.quant.scalars8). In place; grad is read only.\n"
 "variant as for adam().");
 
 static PyObject *
 adam8(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"param", "grad", "qm", "qv", "sm", "sv", "lr", "beta1", "beta2",
-                             "eps", "weight_decay", "decoupled", "bc1", "bc2", "divisor",
-                             "codes_m", "mids_m", "codes_v", "mids_v", "table_m", "table_v",
-                             "block", "variant", NULL};
-    PyObject *o[12];
-    double lr, b1, b2, eps, wd, bc1, bc2, div;
-    int decoupled;
+                             "alpha", "eps", "divisor", "l2", "decoupled_decay", "block",
+                             "variant", NULL};
+    PyObject *o[6];
+    double lr, b1, b2, alpha, eps, div, l2, dec;
     Py_ssize_t block;
     const char *variant_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOdddddpdddOOOOOOn|$z", kwlist, &o[0],
-                                     &o[1], &o[2], &o[3], &o[4], &o[5], &lr, &b1, &b2, &eps,
-                                     &wd, &decoupled, &bc1, &bc2, &div, &o[6], &o[7], &o[8],
-                                     &o[9], &o[10], &o[11], &block, &variant_name))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOddddddddn|$z", kwlist, &o[0],
+                                     &o[1], &o[2], &o[3], &o[4], &o[5], &lr, &b1, &b2, &alpha,
+                                     &eps, &div, &l2, &dec, &block, &variant_name))
         return NULL;
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
@@ -1186,7 +1105,7 @@ adam8(PyObject *self, PyObject *args, PyObject *kwargs)
         PyErr_Format(PyExc_ValueError, "block must be 1 to 65536, got %zd", block);
         return NULL;
     }
-    Py_buffer v[12];
+    Py_buffer v[6];
     int got = 0;
     PyObject *result = NULL;
     float *tmp = NULL;
@@ -1198,30 +1117,21 @@ adam8(PyObject *self, PyObject *args, PyObject *kwargs)
                      block);
         goto done;
     }
-    const char fmts[12] = {'f', 'f', 'B', 'B', 'f', 'f', 'f', 'f', 'f', 'f', 'B', 'B'};
-    const Py_ssize_t sizes[12] = {n,   n,   n,   n,   n / block, n / block,
-                                  256, 257, 256, 257, 32771,     32771};
-    const char *names[12] = {"param",  "grad",    "qm",     "qv",      "sm",      "sv",
-                             "codes_m", "mids_m", "codes_v", "mids_v", "table_m", "table_v"};
-    for (; got < 12; got++)
+    const char fmts[6] = {'f', 'f', 'B', 'B', 'f', 'f'};
+    const Py_ssize_t sizes[6] = {n, n, n, n, n / block, n / block};
+    const char *names[6] = {"param", "grad", "qm", "qv", "sm", "sv"};
+    for (; got < 6; got++)
         if (get_typed(o[got], &v[got], sizes[got], fmts[got], fmts[got] == 'B' ? 1 : 4,
-                      got != 1 && got < 6, names[got], fmts[got] == 'B' ? "uint8" : "float32") < 0)
+                      got != 1, names[got], fmts[got] == 'B' ? "uint8" : "float32") < 0)
             goto done;
     tmp = PyMem_Malloc(2 * block * sizeof(float));
     if (tmp == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    const float *cm = v[6].buf, *cv = v[8].buf;
-    int zm = 0, zv = 0;
-    for (int i = 0; i < 256; i++) {
-        if (cm[i] == 0.0f) zm = i;
-        if (cv[i] == 0.0f) zv = i;
-    }
     Py_BEGIN_ALLOW_THREADS
     adam8_float_v[variant](v[0].buf, v[1].buf, v[2].buf, v[3].buf, v[4].buf, v[5].buf,
-                           n / block, block, lr, b1, b2, eps, wd, decoupled, bc1, bc2, div,
-                           cm, v[7].buf, cv, v[9].buf, v[10].buf, v[11].buf, zm, zv, tmp,
+                           n / block, block, lr, b1, b2, alpha, eps, div, l2, dec, tmp,
                            tmp + block);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None);

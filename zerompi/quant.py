@@ -1,18 +1,20 @@
 """Blockwise 8-bit quantization of optimizer states (Dettmers et al., "8-bit
 Optimizers via Block-wise Quantization", ICLR 2022): a state is stored as one byte
-per element, an index into a table of 256 codes in ``[-1, 1]`` (``[0, 1]`` for a
-state that is never negative, Adam's second moment), and one float32 scale per
-block of :data:`BLOCK` elements, the block's largest magnitude. An element's value
-is ``codes[q] * scale``.
+per element and one float32 scale per block of :data:`BLOCK` elements, the block's
+largest magnitude. An element's value is ``format.table[q] * scale``.
 
-The codes are a *dynamic* map, dense near zero in relative terms: each decade
-``[10^-(k+1), 10^-k]`` gets half as many codes as the decade above it, so a value a
-thousand times smaller than its block's largest is still kept to a few percent (a
-linear map would round it to zero, and Adam's update would divide by ``sqrt(0)``).
-Quantizing takes the nearest code, ties to the lower one (``searchsorted`` on the
-midpoints, ``side="left"``), so the result is a pure function of the float32 inputs:
-the same on every rank, at every world size, in a checkpoint written at one and read
-at another.
+The byte is a small float (:class:`Format`), so that its nearest code is computed
+from the bits of ``|x| / scale`` (a rounding of the float32 mantissa, as a float32 ->
+float8 conversion does) rather than searched in a table, and decoded the same way:
+Adam's first moment in ``E4M3`` with a sign bit (magnitudes down to 2^-17 of the
+block's largest: five decades), its second moment, never negative, in ``E5M3``
+without one (down to 2^-33: ten decades, so that ``sqrt(v)`` of a small element of
+a block is not rounded to 0 while its ``m`` is not). Like the dynamic maps of
+Dettmers et al., the codes are dense near zero in relative terms (every binade has
+eight), unlike a linear map, which would round a value a thousand times smaller than
+its block's largest to zero. Rounding is to the nearest code, ties to the even code,
+a pure function of the float32 inputs: the same on every rank, at every world size,
+in a checkpoint written at one and read at another.
 
 Blocks are cut from the start of a flat array of one dtype (the model's parameters in
 the layout's order), not from a shard's start: a shard may begin or end inside a
@@ -22,64 +24,78 @@ their parts).
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import numpy as np
 
 #: Elements per block (one float32 scale each: 4 bytes per 256, 1.6 % on top of the
 #: one byte per element).
 BLOCK = 256
+#: A scale below this (float32's smallest normal) quantizes its block to zeros: its
+#: reciprocal would overflow.
+TINY = np.float32(np.finfo(np.float32).tiny)
 
 
-def _decades(counts: list[int]) -> list[float]:
-    """Positive codes: decade ``k`` (``[10^-(k+1), 10^-k]``, ``k = 0`` the top) gets
-    ``counts[k]`` codes, the midpoints of equal steps across it, and ``1.0``."""
-    out = [1.0]
-    for k, n in enumerate(counts):
-        edges = np.linspace(0.1, 1.0, n + 1) * 10.0**-k
-        out += ((edges[:-1] + edges[1:]) / 2).tolist()
-    return out
+class Format(NamedTuple):
+    """An 8-bit float of magnitudes up to 1 (``E`` exponent bits, three mantissa
+    bits, the exponent ``2^E - 1`` for 1.0), with a sign bit in the top bit or not.
+    Its magnitude ``c`` (the code's low ``7`` or ``8`` bits) is, for ``c >= 8``, the
+    float32 whose bits are ``(c + 8 * offset) << 20``, and below that ``c * 2^-sub``
+    (the subnormals, evenly spaced up to the smallest normal ``2^(3 - sub)``)."""
+
+    name: str
+    signed: bool
+    #: float32's exponent bias less this format's (127 - (2^E - 1)).
+    offset: int
+    #: ``-log2`` of the subnormals' spacing.
+    sub: int
+
+    @property
+    def min_normal(self) -> np.float32:
+        return np.float32(2.0 ** (3 - self.sub))
+
+    @property
+    def table(self) -> np.ndarray:
+        """The 256 codes' values, float32, indexed by the byte."""
+        return TABLES[self.name]
 
 
-def _table(values: list[float]) -> np.ndarray:
-    codes = np.array(sorted(values), np.float32)
-    assert codes.shape == (256,) and np.unique(codes).shape == (256,), "256 distinct codes"
-    return codes
+#: Adam's first moment: sign, 4 exponent bits, 3 mantissa bits (2^-17 ... 1).
+SIGNED = Format("e4m3", True, 127 - 15, 17)
+#: Adam's second moment: 5 exponent bits, 3 mantissa bits, no sign (2^-33 ... 1).
+UNSIGNED = Format("e5m3", False, 127 - 31, 33)
 
 
-#: 256 codes for a signed state: 0, and 127 positive and 128 negative ones, the top
-#: decade with 63 (+ 1.0), then 32, 16, 8, 4, 2, 1 (the last negative: -1e-7).
-SIGNED = _table([0.0, -1e-7] + [s * v for v in _decades([63, 32, 16, 8, 4, 2, 1])
-                                for s in (1.0, -1.0)])  # fmt: skip
-#: 256 codes for a state that is never negative: 0, 1.0, and 254 over eight decades
-#: (127, 64, 32, 16, 8, 4, 2, 1).
-UNSIGNED = _table([0.0, *_decades([127, 64, 32, 16, 8, 4, 2, 1])])
+def _decode_magnitudes(fmt: Format, mags: np.ndarray) -> np.ndarray:
+    mags = mags.astype(np.uint32)
+    normal = ((mags + np.uint32(8 * fmt.offset)) << np.uint32(20)).view(np.float32)
+    sub = mags.astype(np.float32) * np.float32(2.0**-fmt.sub)
+    return np.where(mags < 8, sub, normal).astype(np.float32)
 
 
-def midpoints(codes: np.ndarray) -> np.ndarray:
-    """The 255 midpoints between consecutive codes: the quantization thresholds."""
-    return ((codes[:-1].astype(np.float64) + codes[1:]) / 2).astype(np.float32)
+def _table(fmt: Format) -> np.ndarray:
+    codes = np.arange(256, dtype=np.uint32)
+    if not fmt.signed:
+        return _decode_magnitudes(fmt, codes)
+    value = _decode_magnitudes(fmt, codes & np.uint32(0x7F))
+    return np.where(codes >= 128, -value, value).astype(np.float32)
 
 
-MIDS = {id(SIGNED): midpoints(SIGNED), id(UNSIGNED): midpoints(UNSIGNED)}
+TABLES = {f.name: _table(f) for f in (SIGNED, UNSIGNED)}
 
 
-def search_table(mids: np.ndarray) -> np.ndarray:
-    """For the compiled search: per value of a float32's top 15 bits (sign, exponent,
-    six mantissa bits), the count of ``mids`` below the smallest float with those
-    bits, where the search for the count of midpoints below ``y`` starts; then three
-    bytes of padding (the AVX-512 loop reads four bytes from each entry)."""
-    keys = np.arange(1 << 15, dtype=np.uint32)
-    negative = keys >= 1 << 14
-    smallest = np.where(negative, (keys << 17) | 0x1FFFF, keys << 17).view(np.float32)
-    with np.errstate(invalid="ignore"):
-        found = np.searchsorted(mids, smallest, side="left").astype(np.uint8)
-    return np.append(found, np.zeros(3, np.uint8))  # (read 4 bytes at a time)
-
-
-TABLES = {id(SIGNED): search_table(MIDS[id(SIGNED)]),
-          id(UNSIGNED): search_table(MIDS[id(UNSIGNED)])}  # fmt: skip
-#: The midpoints padded with two +inf (the compiled search's two steps past a table
-#: entry never read beyond them).
-PADDED = {k: np.append(m, np.float32([np.inf, np.inf])) for k, m in MIDS.items()}
+def encode(a: np.ndarray, fmt: Format) -> np.ndarray:
+    """The nearest magnitude code (ties to even) of float32 ``a`` (>= 0, at most a
+    little above 1), as uint8: below the smallest normal, ``a * 2^sub`` rounded to an
+    integer (float32's own rounding: add and subtract 2^23); above, the float32's bits
+    rounded to three mantissa bits and re-biased."""
+    a = np.asarray(a, np.float32)
+    big = np.float32(2.0**23)
+    sub = ((a * np.float32(2.0**fmt.sub) + big) - big).astype(np.int64)
+    u = a.view(np.uint32).astype(np.int64)
+    normal = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) - 8 * fmt.offset
+    return np.where(a < fmt.min_normal, sub, normal).astype(np.uint8)
 
 
 def blocks_of(offset: int, n: int, block: int = BLOCK) -> tuple[int, int]:
@@ -99,11 +115,6 @@ def spans(offset: int, n: int, block: int = BLOCK) -> list[tuple[int, int, int]]
             for b in range(first, stop)]  # fmt: skip
 
 
-def zero_code(codes: np.ndarray) -> int:
-    """The index of the code 0.0."""
-    return int(np.searchsorted(codes, 0.0))
-
-
 def block_max(x: np.ndarray, offset: int, block: int = BLOCK) -> np.ndarray:
     """The largest magnitude of ``x`` (elements ``offset...`` of the flat array) in
     each block it touches, in float32; a block touched in part: of that part."""
@@ -114,30 +125,35 @@ def block_max(x: np.ndarray, offset: int, block: int = BLOCK) -> np.ndarray:
     return out
 
 
+def reciprocal(scale: np.float32) -> np.float32:
+    """What a block's elements are multiplied by before encoding: ``1 / scale`` in
+    float32, 0 for a scale below :data:`TINY` (its block quantizes to zeros)."""
+    scale = np.float32(scale)
+    return np.float32(1.0) / scale if scale >= TINY else np.float32(0.0)
+
+
 def quantize(
-    x: np.ndarray, offset: int, scales: np.ndarray, codes: np.ndarray, out: np.ndarray,
+    x: np.ndarray, offset: int, scales: np.ndarray, fmt: Format, out: np.ndarray,
     block: int = BLOCK,
 ) -> None:  # fmt: skip
-    """``out`` (uint8) = the nearest codes of float32 ``x`` (elements ``offset...``)
-    divided by its block's scale, ``scales`` holding one per block touched. A zero
-    scale (an all-zero block) gives the code of 0."""
-    mids = MIDS[id(codes)]
+    """``out`` (uint8) = the codes of float32 ``x`` (elements ``offset...``): the
+    nearest of ``|x| * (1 / scale)`` and, signed, ``x``'s sign bit, ``scales``
+    holding one per block touched."""
     for slot, lo, hi in spans(offset, x.shape[0], block):
-        scale = scales[slot]
-        if scale == 0:
-            out[lo:hi] = zero_code(codes)
-            continue
-        y = x[lo:hi] / scale  # float32
-        out[lo:hi] = np.searchsorted(mids, y, side="left")
+        part = x[lo:hi]
+        mags = encode(np.abs(part) * reciprocal(scales[slot]), fmt)
+        if fmt.signed:
+            mags |= (part.view(np.uint32) >> np.uint32(24)).astype(np.uint8) & np.uint8(0x80)
+        out[lo:hi] = mags
 
 
 def dequantize(
-    q: np.ndarray, offset: int, scales: np.ndarray, codes: np.ndarray, out: np.ndarray,
+    q: np.ndarray, offset: int, scales: np.ndarray, fmt: Format, out: np.ndarray,
     block: int = BLOCK,
 ) -> None:  # fmt: skip
-    """``out`` (float32) = ``codes[q] * scale`` of each element's block."""
+    """``out`` (float32) = ``fmt.table[q] * scale`` of each element's block."""
     for slot, lo, hi in spans(offset, q.shape[0], block):
-        np.multiply(codes[q[lo:hi]], scales[slot], out=out[lo:hi])
+        np.multiply(fmt.table[q[lo:hi]], scales[slot], out=out[lo:hi])
 
 
 class Edges:
@@ -155,13 +171,53 @@ class Edges:
         self.moments: list[tuple[np.ndarray, ...]] = []
 
 
+def adam8_math(
+    param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, step: int,
+    config: object, divisor: float = 1.0,
+) -> None:  # fmt: skip
+    """Adam/AdamW in float32 on equal-length arrays, in place (``m``, ``v`` the
+    dequantized moments, then the new ones; ``grad`` consumed), in Kingma & Ba's
+    efficient form (2015, end of Section 2): ``alpha_t = sqrt(1 - beta2^t) / (1 -
+    beta1^t)`` and ``eps_t = eps * sqrt(1 - beta2^t)`` fold the bias corrections into
+    two scalars, so an element takes two divisions and a square root, not four and
+    one: ``p -= lr * (m / (sqrt(v) + eps_t) * alpha_t + wd * p)`` (decoupled decay;
+    L2: ``g += wd * p`` first), with ``g = grad / divisor``. Every operation is done
+    on every element, in this order, as the compiled loop does: the same bits."""
+    c = config
+    alpha, eps_t, dv, l2, dec = scalars8(step, c, divisor)
+    np.divide(grad, dv, out=grad)
+    grad += param * l2
+    np.multiply(m, np.float32(c.beta1), out=m)  # type: ignore[attr-defined]
+    m += grad * np.float32(1.0 - c.beta1)  # type: ignore[attr-defined]
+    np.multiply(v, np.float32(c.beta2), out=v)  # type: ignore[attr-defined]
+    v += (grad * grad) * np.float32(1.0 - c.beta2)  # type: ignore[attr-defined]
+    u = np.sqrt(v)
+    u += eps_t
+    np.divide(m, u, out=u)
+    u *= alpha
+    u += param * dec
+    param -= u * np.float32(c.lr)  # type: ignore[attr-defined]
+
+
+def scalars8(step: int, c: object, divisor: float) -> tuple[np.float32, ...]:
+    """``(alpha_t, eps_t, divisor, L2 decay, decoupled decay)`` as float32, as
+    :func:`adam8_math` and the compiled loop use them (a divisor of 1 divides by 1;
+    the decay not in use is 0)."""
+    bc1 = 1.0 - c.beta1**step  # type: ignore[attr-defined]
+    root = math.sqrt(1.0 - c.beta2**step)  # type: ignore[attr-defined]
+    wd, decoupled = c.weight_decay, c.decoupled  # type: ignore[attr-defined]
+    return (np.float32(root / bc1), np.float32(c.eps * root),  # type: ignore[attr-defined]
+            np.float32(divisor), np.float32(0.0 if decoupled else wd),
+            np.float32(wd if decoupled else 0.0))  # fmt: skip
+
+
 def adam8_step(
     param: np.ndarray, grad: np.ndarray, qm: np.ndarray, qv: np.ndarray,
     sm: np.ndarray, sv: np.ndarray, offset: int, step: int, config: object,
     divisor: float = 1.0, block: int = BLOCK, kernel: str | None = None,
     variant: str | None = None,
 ) -> Edges:  # fmt: skip
-    """Adam/AdamW (:func:`zerompi.adam.adam_step`'s arithmetic) on a piece of the
+    """Adam/AdamW (:func:`adam8_math`'s arithmetic) on a piece of the
     flat float32 parameters starting at global element ``offset``, its moments held
     in 8 bits (``qm`` signed map, ``qv`` unsigned; ``sm``/``sv`` the scales of the
     blocks the piece touches). Each block is dequantized, stepped in float32 and
@@ -169,7 +225,7 @@ def adam8_step(
     and left in the returned :class:`Edges` for :func:`finish_edges` once its scale
     is agreed. ``grad`` is consumed. ``kernel`` and ``variant`` as for ``adam_step``
     (the compiled loop takes the whole blocks)."""
-    from .adam import KERNEL, adam_step
+    from .adam import KERNEL
 
     n = param.shape[0]
     edges = Edges()
@@ -188,22 +244,19 @@ def adam8_step(
         else:
             m = np.empty(block, np.float32)
             v = np.empty(block, np.float32)
-            scratch = np.empty(block, np.float32)
             for k in range(nb):
                 lo, hi = head + k * block, head + (k + 1) * block
                 s = lo_slot + k
-                np.multiply(SIGNED[qm[lo:hi]], sm[s], out=m)
-                np.multiply(UNSIGNED[qv[lo:hi]], sv[s], out=v)
-                adam_step(param[lo:hi], grad[lo:hi], m, v, step, config, scratch, divisor,
-                          kernel=kernel)  # fmt: skip
-                for x, q, scales, codes in ((m, qm, sm, SIGNED), (v, qv, sv, UNSIGNED)):
+                np.multiply(SIGNED.table[qm[lo:hi]], sm[s], out=m)
+                np.multiply(UNSIGNED.table[qv[lo:hi]], sv[s], out=v)
+                adam8_math(param[lo:hi], grad[lo:hi], m, v, step, config, divisor)
+                for x, q, scales, fmt in ((m, qm, sm, SIGNED), (v, qv, sv, UNSIGNED)):
                     scales[s] = np.max(np.abs(x))
-                    quantize(x, offset + lo, scales[s : s + 1], codes, q[lo:hi], block)
+                    quantize(x, offset + lo, scales[s : s + 1], fmt, q[lo:hi], block)
     for slot, lo, hi in partial:  # stepped here, quantized once the scale is agreed
-        m = np.multiply(SIGNED[qm[lo:hi]], sm[slot])
-        v = np.multiply(UNSIGNED[qv[lo:hi]], sv[slot])
-        adam_step(param[lo:hi], grad[lo:hi], m, v, step, config,
-                  np.empty(hi - lo, np.float32), divisor, kernel="numpy")  # fmt: skip
+        m = np.multiply(SIGNED.table[qm[lo:hi]], sm[slot])
+        v = np.multiply(UNSIGNED.table[qv[lo:hi]], sv[slot])
+        adam8_math(param[lo:hi], grad[lo:hi], m, v, step, config, divisor)
         edges.spans.append((slot, lo, hi))
         edges.moments.append((m, v))
     return edges
@@ -222,9 +275,9 @@ def finish_edges(
     block, the largest over every piece holding part of it)."""
     for (slot, lo, hi), (m, v), (am, av) in zip(edges.spans, edges.moments, agreed,
                                                  strict=True):  # fmt: skip
-        for x, q, scales, codes, a in ((m, qm, sm, SIGNED, am), (v, qv, sv, UNSIGNED, av)):
+        for x, q, scales, fmt, a in ((m, qm, sm, SIGNED, am), (v, qv, sv, UNSIGNED, av)):
             scales[slot] = a
-            quantize(x, offset + lo, scales[slot : slot + 1], codes, q[lo:hi], block)
+            quantize(x, offset + lo, scales[slot : slot + 1], fmt, q[lo:hi], block)
 
 
 def _compiled():  # type: ignore[no-untyped-def]
@@ -240,11 +293,9 @@ def _adam8_compiled(
 ) -> None:  # fmt: skip
     from . import adam
 
-    bc1 = 1.0 - c.beta1**step  # type: ignore[attr-defined]
-    bc2 = 1.0 - c.beta2**step  # type: ignore[attr-defined]
+    alpha, eps_t, dv, l2, dec = scalars8(step, c, divisor)
     adam._kernels.adam8(
-        param, grad, qm, qv, sm, sv, c.lr, c.beta1, c.beta2, c.eps,  # type: ignore[attr-defined]
-        c.weight_decay, c.decoupled, bc1, bc2, float(divisor), SIGNED,  # type: ignore[attr-defined]
-        PADDED[id(SIGNED)], UNSIGNED, PADDED[id(UNSIGNED)], TABLES[id(SIGNED)],
-        TABLES[id(UNSIGNED)], block, variant=variant or adam.VARIANT,
+        param, grad, qm, qv, sm, sv, c.lr, c.beta1, c.beta2,  # type: ignore[attr-defined]
+        float(alpha), float(eps_t), float(dv), float(l2), float(dec), block,
+        variant=variant or adam.VARIANT,
     )

@@ -82,10 +82,11 @@ class ReferenceAdam:
 
 class ReferenceAdam8bit(ReferenceAdam):
     """Adam/AdamW with 8-bit blockwise states (Dettmers et al. 2022, block-wise
-    quantization with dynamic maps, :mod:`zerompi.quant`): each step dequantizes the
-    moments, takes :class:`ReferenceAdam`'s step in float32 (the parameters are
-    updated with these float32 moments), and stores the new moments quantized, the
-    first with the signed map, the second with the unsigned one. Blocks are cut from
+    quantization, :mod:`zerompi.quant`): each step dequantizes the moments, takes
+    Adam's step in float32 in Kingma & Ba's efficient form (:func:`zerompi.quant.
+    adam8_math`: the bias corrections folded into the step size and epsilon; the
+    parameters are updated with these float32 moments), and stores the new moments
+    quantized, the first as E4M3 with a sign, the second as E5M3. Blocks are cut from
     the start of the float32 parameters laid end to end in ``order`` (default: the
     mapping's), as the sharded optimizer lays them out; ``exp_avg``/``exp_avg_sq``
     hold the dequantized values, ``quantized`` the bytes and the scales."""
@@ -125,7 +126,18 @@ class ReferenceAdam8bit(ReferenceAdam):
         return out
 
     def step(self, grads: Mapping[str, np.ndarray]) -> None:
-        super().step(grads)  # from the dequantized moments
+        from .adam import AdamConfig
+
+        self.t += 1
+        config = AdamConfig(self.lr, self.b1, self.b2, self.eps, self.wd, self.decoupled)
+        for name in self.order:  # from the dequantized moments, in float32
+            p = self.params[name]
+            arrays = (p, grads[name], self.exp_avg[name], self.exp_avg_sq[name])
+            flat = [np.array(a, np.float32).reshape(-1) for a in arrays]
+            self.quant.adam8_math(*flat, self.t, config)
+            self.params[name] = flat[0].reshape(p.shape)
+            m, v = (a.reshape(p.shape) for a in flat[2:])
+            self.exp_avg[name], self.exp_avg_sq[name] = m, v
         for label, codes in (("exp_avg", self.quant.SIGNED),
                              ("exp_avg_sq", self.quant.UNSIGNED)):  # fmt: skip
             moments = getattr(self, label)

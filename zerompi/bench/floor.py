@@ -173,5 +173,5 @@ def floor_fields(row: Mapping[str, Any], stream_gbps: float | None) -> dict[str,
 
 def describe(per_elem: Mapping[str, int]) -> str:
     """``{"reduce": 12, "stats": 4}`` -> ``"reduce 12 + stats 4 = 16"``."""
-    parts = " + ".join(f"{k} {v}" for k, v in per_elem.items())
-    return f"{parts} = {sum(per_elem.values())}"
+    parts = " + ".join(f"{k} {v:g}" for k, v in per_elem.items())
+    return f"{parts} = {sum(per_elem.values()):g}"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from ..buffers import Kind
+from ..buffers import Kind, StateKind
 from ..mpi.bare import idle_barrier
 from ..mpi.collectives import Comm
 from ..plan import Reduce
@@ -36,10 +36,14 @@ T = TypeVar("T")
 ADAM_ARRAYS = 7
 
 
-def update_arrays(states: int) -> int:
-    """Arrays an update rule with ``states`` per-element states reads or writes per
-    element: param, grad and the states read, param and the states written."""
-    return 3 + 2 * states
+def update_arrays(states: Sequence[StateKind], dtype: np.dtype) -> float:
+    """Arrays of the master ``dtype`` an update rule with ``states`` reads or writes
+    per element: param, grad and the states read, param and the states written (a
+    state of another dtype, or with one entry per block, counted by its bytes: 8-bit
+    Adam's codes a quarter each, its scales 1/256)."""
+    state_bytes = sum(k.storage(dtype).itemsize / (k.block or 1) for k in states)
+    arrays = 3 + 2 * state_bytes / dtype.itemsize
+    return int(arrays) if arrays == int(arrays) else arrays
 #: Per stage: (reduction passes, gather passes) over the P parameters in one step.
 PASSES = {0: (2, 0), 1: (1, 1), 2: (1, 1), 3: (1, 2)}
 
@@ -156,7 +160,7 @@ def bench_stage(
         sent["allgather"].append(traffic.get("allgather", {}).get("sent", 0))
     local = params if stage == 0 else sum(opt.layout.shard_sizes.values())
     rule = opt.engine.rule
-    arrays = update_arrays(len(rule.states))
+    arrays = update_arrays(rule.states, dtype)
     buckets = len(opt.layout.buckets)
     opt.close()
     del opt

@@ -45,11 +45,12 @@ NORM_TOLERANCE = {"float32": 1e-4, "float64": 1e-10}
 #: ``--optimizer adam8bit`` on more than one rank: (parameters, gradient norm). An
 #: 8-bit code is a step function of its moment, so a gradient summed in another order
 #: (the W-rank run against the one-process reference) flips a code now and then, and
-#: the two runs part by a fraction of a quantization step per flip (measured: 3.6e-3
-#: and 3.4e-4 after the default 200 steps at W = 2-4). Both are still far below what a
-#: wrongly averaged gradient does to the norm (a factor of W); on one rank the run is
-#: bit for bit.
-EIGHT_BIT_TOLERANCE = (2e-2, 2e-3)
+#: the two runs part by a fraction of a quantization step per flip, more the longer
+#: they run (measured at W = 2-4, stage 2: up to 5.8e-3 and 5.2e-4 after the default
+#: 200 steps, 1.24e-2 and 2.1e-3 after 500). Both are still far below what a wrongly
+#: averaged gradient does to the norm (a factor of W); on one rank the run is bit for
+#: bit.
+EIGHT_BIT_TOLERANCE = (5e-2, 1e-2)
 
 
 def reference_optimizer(
