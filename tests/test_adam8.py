@@ -195,3 +195,84 @@ def test_what_it_does_not_run_on_is_refused_everywhere(comm: MPI.Intracomm) -> N
     assert_raises_all(ValueError, "optimizer='adam8bit' cannot be elastic",
                       lambda: ZeroOptimizer(params, comm=comm, optimizer="adam8bit",
                                             elastic=True))  # fmt: skip
+
+
+def test_parameter_groups_and_a_schedule(comm: MPI.Intracomm) -> None:
+    """A second group with its own lr, betas and weight decay, then
+    ``set_hyperparameters`` halving both learning rates after two steps, at stages 1
+    and 3: the reference with the same settings per parameter, bit for bit (blocks
+    span the two groups)."""
+    spec = spec_of(SHAPES, F32)
+    params = make_params(spec)
+    second = ["emb", "one", "tail"]
+    group = {"lr": 3e-2, "betas": (0.8, 0.95), "weight_decay": 0.0}
+    setting = SETTINGS["adamw"]
+    for stage, api in ((1, "grads"), (3, "streamed")):
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=100,
+                            optimizer="adam8bit", param_groups=[{"params": second, **group}],
+                            **setting)  # fmt: skip
+        ref = reference(params, setting)
+        ref.overrides = {n: dict(group) for n in second}
+        problems = train(opt, ref, spec, 2, api=api)
+        opt.set_hyperparameters(group=0, lr=setting["lr"] / 2)
+        opt.set_hyperparameters(group=1, lr=group["lr"] / 2)
+        ref.lr /= 2
+        for n in second:
+            ref.overrides[n]["lr"] = group["lr"] / 2
+        for step in range(2, 4):
+            backward(opt, rank_grads(spec, step, comm.rank), api)
+            opt.step()
+            ref.step(mean_grads(spec, step, comm.size))
+        problems += mismatches(opt, ref, True, f"stage {stage} after the schedule")
+        opt.close()
+        verdict(problems)
+
+
+def test_a_nonfinite_gradient_skips_the_step_states_untouched(comm: MPI.Intracomm) -> None:
+    """A NaN in one rank's gradient: the step is skipped on every rank, parameters,
+    codes and scales as they were."""
+    spec = spec_of(SHAPES, F32)
+    params = make_params(spec)
+    opt = ZeroOptimizer(params, comm=comm, stage=2, bucket_elems=100, optimizer="adam8bit")
+    backward(opt, rank_grads(spec, 0, comm.rank), "streamed")
+    opt.step()
+    before, state = opt.full_params(), opt.gather_state()
+    bad = {n: g.copy() for n, g in rank_grads(spec, 1, comm.rank).items()}
+    if comm.rank == comm.size - 1:
+        bad["w"][7] = np.nan
+    backward(opt, bad, "streamed")
+    opt.step()
+    after, state_after = opt.full_params(), opt.gather_state()
+    problems = [] if opt.skipped_steps == 1 and opt.step_count == 1 else ["not skipped"]
+    problems += [n for n in params if not np.array_equal(before[n], after[n])]
+    problems += [f"{k}[{n}]" for k, v in state.items() for n in v
+                 if not np.array_equal(v[n], state_after[k][n])]  # fmt: skip
+    opt.close()
+    assert_all(not problems, f"changed in a skipped step: {problems[:6]}")
+
+
+def test_bfloat16_copy_is_the_rounded_master_at_every_stage(comm: MPI.Intracomm) -> None:
+    """``param_dtype=bfloat16``: every stage ends with the same float32 master, and
+    the copy the model reads is that master rounded to nearest even."""
+    pytest.importorskip("ml_dtypes")
+    spec = spec_of(SHAPES, F32)
+    params = make_params(spec)
+    masters, problems = [], []
+    for stage in range(4):
+        api = "grads" if stage < 2 else "streamed"
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=100,
+                            param_dtype="bfloat16", optimizer="adam8bit")  # fmt: skip
+        for step in range(3):
+            grads = {n: g.astype(opt.params[n].dtype) if stage < 3 else g
+                     for n, g in rank_grads(spec, step, comm.rank).items()}  # fmt: skip
+            backward(opt, grads, api)
+            opt.step()
+        master = opt.full_params()
+        masters.append(master)
+        if stage < 3:
+            problems += [f"stage {stage}: {n}" for n, low in opt.params.items()
+                         if not np.array_equal(low, master[n].astype(low.dtype))]  # fmt: skip
+        opt.close()
+    problems += [f"stage {s}: {n} differs from stage 0" for s in range(1, 4) for n in params
+                 if not np.array_equal(masters[s][n], masters[0][n])]  # fmt: skip
+    assert_all(not problems, "\n".join(problems[:6]))

@@ -99,6 +99,10 @@ class ReferenceAdam8bit(ReferenceAdam):
         from . import quant
 
         self.quant, self.block = quant, block
+        #: Per parameter, settings that differ from the optimizer's (a parameter
+        #: group's: ``lr``, ``betas``, ``eps``, ``weight_decay``), changeable between
+        #: steps (a schedule).
+        self.overrides: dict[str, dict[str, object]] = {}
         self.order = list(self.params) if order is None else list(order)
         bad = [n for n in self.order if self.params[n].dtype != np.float32]
         if bad or sorted(self.order) != sorted(self.params):
@@ -129,8 +133,13 @@ class ReferenceAdam8bit(ReferenceAdam):
         from .adam import AdamConfig
 
         self.t += 1
-        config = AdamConfig(self.lr, self.b1, self.b2, self.eps, self.wd, self.decoupled)
+        base = {"lr": self.lr, "betas": (self.b1, self.b2), "eps": self.eps,
+                "weight_decay": self.wd}  # fmt: skip
         for name in self.order:  # from the dequantized moments, in float32
+            s = {**base, **self.overrides.get(name, {})}
+            b1, b2 = s["betas"]  # type: ignore[misc]
+            config = AdamConfig(s["lr"], b1, b2, s["eps"], s["weight_decay"],  # type: ignore[arg-type]
+                                self.decoupled)  # fmt: skip
             p = self.params[name]
             arrays = (p, grads[name], self.exp_avg[name], self.exp_avg_sq[name])
             flat = [np.array(a, np.float32).reshape(-1) for a in arrays]
