@@ -83,10 +83,10 @@ class ReferenceAdam:
 class ReferenceAdam8bit(ReferenceAdam):
     """Adam/AdamW with 8-bit blockwise states (Dettmers et al. 2022, block-wise
     quantization, :mod:`zerompi.quant`): each step dequantizes the moments, takes
-    Adam's step in float32 in Kingma & Ba's efficient form (:func:`zerompi.quant.
-    adam8_math`: the bias corrections folded into the step size and epsilon; the
-    parameters are updated with these float32 moments), and stores the new moments
-    quantized, the first as E4M3 with a sign, the second as E5M3. Blocks are cut from
+    Adam's step in float32 in Kingma & Ba's efficient form
+    (:func:`zerompi.quant.adam8_math`: the bias corrections folded into the step size
+    and epsilon; the parameters are updated with these float32 moments), and stores
+    the new moments quantized, the first as E4M3 with a sign, the second as E5M3. Blocks are cut from
     the start of the float32 parameters laid end to end in ``order`` (default: the
     mapping's), as the sharded optimizer lays them out; ``exp_avg``/``exp_avg_sq``
     hold the dequantized values, ``quantized`` the bytes and the scales."""
