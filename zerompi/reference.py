@@ -86,10 +86,11 @@ class ReferenceAdam8bit(ReferenceAdam):
     Adam's step in float32 in Kingma & Ba's efficient form
     (:func:`zerompi.quant.adam8_math`: the bias corrections folded into the step size
     and epsilon; the parameters are updated with these float32 moments), and stores
-    the new moments quantized, the first as E4M3 with a sign, the second as E5M3. Blocks are cut from
-    the start of the float32 parameters laid end to end in ``order`` (default: the
-    mapping's), as the sharded optimizer lays them out; ``exp_avg``/``exp_avg_sq``
-    hold the dequantized values, ``quantized`` the bytes and the scales."""
+    the new moments quantized, the first as E4M3 with a sign, the second as E5M3.
+    Blocks are cut from the start of the float32 parameters laid end to end in
+    ``order`` (default: the mapping's), as the sharded optimizer lays them out;
+    ``exp_avg``/``exp_avg_sq`` hold the dequantized values, ``quantized`` the bytes
+    and the scales."""
 
     def __init__(
         self, params: Mapping[str, np.ndarray], *, block: int = 256,
