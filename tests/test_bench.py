@@ -117,3 +117,23 @@ def test_mixed_precision_rows_sit_next_to_the_float32_ones(tmp_path: Path) -> No
                                                 "gather": gather}  # fmt: skip
     assert all(r["step_per_floor"] == r["step_ms"] / r["floor_ms"] for r in rows)
     assert "mixed precision" in proc.stdout and "bfloat16/bfloat16" in proc.stdout
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("rule", ["adam8bit", "adafactor"])
+def test_another_rule_over_matrices(rule: str, tmp_path: Path) -> None:
+    """``--optimizer`` with ``--matrix-cols``: the tensors are matrices where the
+    columns divide them, every stage runs, and the update's bytes are the rule's
+    (8-bit Adam: 16.0625 per element; Adafactor: 12, its rows and columns left out)."""
+    out = tmp_path / "bench.json"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.bench", "--optimizer", rule]
+    cmd += ["--sizes", "4096", "--tensor-elems", "1024", "--matrix-cols", "32", "--steps", "2"]
+    cmd += ["--warmup", "1", "--no-torch", "--tensors", "0", "--no-shared-memory"]
+    cmd += ["--json", str(out), "--blas-threads", "1", "--stream-elems", "65536"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["stage"] for r in rows) == [0, 1, 2, 3]
+    assert {r["optimizer"] for r in rows} == {rule}
+    adam = {"adam8bit": 16.0625, "adafactor": 12}[rule]
+    assert all(r["floor_bytes_per_elem"]["adam"] == adam for r in rows), rows[0]

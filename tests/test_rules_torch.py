@@ -1,7 +1,8 @@
-"""``zerompi.torch.shard(model, optimizer="sgd" | "lion", ...)`` against single-process
-torch on the whole global batch (:mod:`zerompi.torch.parity`'s model and data, two
-``backward()`` per step, a ``StepLR``): torch's own ``SGD`` (momentum, Nesterov, L2),
-and Lion written here from Chen et al. 2023 as a ``torch.optim.Optimizer``; every
+"""``zerompi.torch.shard(model, optimizer="sgd" | "lion" | "adafactor", ...)`` against
+single-process torch on the whole global batch (:mod:`zerompi.torch.parity`'s model and
+data, two ``backward()`` per step, a ``StepLR``): torch's own ``SGD`` (momentum,
+Nesterov, L2) and ``Adafactor``, and Lion written here from Chen et al. 2023 as a
+``torch.optim.Optimizer``; every
 stage, node copy or not, with two parameter groups. Relative parameter difference
 ≤ 1e-5, the scheduler's learning rates in effect."""
 
@@ -60,6 +61,10 @@ RULES: dict[str, tuple[dict[str, Any], Callable[[Any], Any], dict[str, Any]]] = 
         {"optimizer": "lion", "lr": 3e-3, "betas": (0.9, 0.99), "weight_decay": 0.1},
         lambda ps: TorchLion(ps, lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1),
         {"lr": 1e-3, "betas": (0.8, 0.95)}),
+    "adafactor": (
+        {"optimizer": "adafactor", "lr": 2e-2, "weight_decay": 0.05},
+        lambda ps: torch.optim.Adafactor(ps, lr=2e-2, weight_decay=0.05),
+        {"lr": 5e-3, "beta2_decay": -0.6}),
 }  # fmt: skip
 
 

@@ -96,14 +96,32 @@ class StateKind:
     label: str
     #: The stored dtype's name (``"uint8"``: 8-bit codes); ``None``: the master dtype.
     dtype: str | None = None
-    #: ``0``: one entry per element. ``n > 0``: one entry per block of ``n`` elements
-    #: of the master dtype's flat parameters, blocks cut from their start (an 8-bit
-    #: state's scales); a rank holds one for each block its part touches, so ranks
-    #: whose parts share a block hold one copy each (see :mod:`zerompi.blockwise`).
+    #: What it has an entry per: ``"element"``; ``"block"`` of :attr:`block` elements
+    #: of the master dtype's flat parameters, cut from their start (an 8-bit state's
+    #: scales); ``"row"`` or ``"column"`` of every matrix (the last two dimensions of
+    #: a parameter with two or more; Adafactor's factored second moments);
+    #: ``"vector"``: element of a parameter with fewer than two. A rank holds the
+    #: entries of every unit (block, matrix, element) its part touches, so ranks whose
+    #: parts share one hold a copy each (see :mod:`zerompi.blockwise`).
+    per: str = "element"
+    #: Elements per block, for ``per="block"``.
     block: int = 0
     category: str = "optimizer_states"
     shared: Placement = Placement.PRIVATE
     initialized: bool = False
+
+    def __post_init__(self) -> None:
+        if self.per not in ("element", "block", "row", "column", "vector"):
+            raise ValueError(f"StateKind {self.label!r}: per={self.per!r} is not one of "
+                             "element, block, row, column, vector")  # fmt: skip
+        if (self.per == "block") != (self.block > 0):
+            raise ValueError(f"StateKind {self.label!r}: block={self.block} with per="
+                             f"{self.per!r} (a block size goes with per='block' only)")  # fmt: skip
+
+    @property
+    def units(self) -> bool:
+        """Whether it is held per unit (block, matrix, vector element), not per element."""
+        return self.per != "element"
 
     def storage(self, master: np.dtype) -> np.dtype:
         """The dtype of its buffer for parameters of ``master`` dtype."""

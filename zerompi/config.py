@@ -104,11 +104,13 @@ class ZeroConfig:
     """Every setting of a ``ZeroOptimizer`` (and of ``zerompi.torch.shard``).
 
     ``stage`` 0 (plain data parallelism) to 3; ``optimizer``, the update rule
-    (:mod:`zerompi.rules`: ``"adam"``, ``"sgd"``, ``"lion"``) and its hyperparameters:
+    (:mod:`zerompi.rules`: ``"adam"``, ``"sgd"``, ``"lion"``, ``"adam8bit"``,
+    ``"adafactor"``) and its hyperparameters:
     ``lr`` and ``weight_decay`` for every rule (``decoupled_weight_decay=True``: AdamW,
     SGDW; Lion's is always decoupled), ``betas`` (Adam, Lion; ``None``: the rule's
     default, (0.9, 0.999) and (0.9, 0.99)) and ``eps`` (Adam), ``momentum``,
-    ``dampening`` and ``nesterov`` (SGD), a setting of another rule being an error;
+    ``dampening`` and ``nesterov`` (SGD), ``beta2_decay``, ``eps1``, ``eps2`` and
+    ``d`` (Adafactor), a setting of another rule being an error;
     ``param_groups``
     (torch's list of dicts by parameter name, :mod:`zerompi.settings`); ``max_norm``
     clips the global gradient norm, ``nonfinite`` (``"skip"`` or ``"raise"``) says
@@ -140,6 +142,10 @@ class ZeroConfig:
     momentum: float = 0.0
     dampening: float = 0.0
     nesterov: bool = False
+    beta2_decay: float = -0.8
+    eps1: float | None = None
+    eps2: float = 1e-3
+    d: float = 1.0
 
     def __post_init__(self) -> None:
         for name, policy in (("overlap", OverlapPolicy), ("elastic", ElasticPolicy)):

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import reducer
 from .arrays import FlatArrays
-from .blockwise import Agreement, held
+from .blockwise import Agreement, Spans, held, spans_of
 from .buffers import BufferPool, Kind, Placement, PlannedBuffer, Stores
 from .config import Settings
 from .elastic import NoSnapshots, Snapshots, buddy_ranks, elastic_setup, snapshot_plan
@@ -109,6 +109,13 @@ class Engine:
     #: Per run, the global element (in its dtype's flat parameters) of its first
     #: element (what a rule with per-block states reads: its runs are one bucket each).
     update_offsets: list[int]
+    #: Per run, per state of the rule: for a state held per unit, its units over the
+    #: run's dtype and the run's first entry (:func:`zerompi.blockwise.in_run`); else
+    #: None.
+    update_units: list[list[tuple[Spans, int] | None]]
+    #: Per run, the run-local elements this rank counts in statistics over all ranks
+    #: (its shard; at stage 0, its part of the bucket).
+    update_counted: list[tuple[int, int]]
     #: Where the rule has per-block states: the end of each update's agreement on the
     #: blocks that parts share (:class:`zerompi.blockwise.Agreement`); else None.
     agreement: Agreement | None
@@ -302,7 +309,7 @@ def build_engine(
     # One kernel call per run of buckets contiguous in memory, unless each bucket's
     # gather must start as soon as its part is updated.
     merge = plan.publish is Publish.NONE or (plan.publish is Publish.NODE and nodes.count == 1)
-    merge = merge and not rule.block  # a per-block state's entries follow its bucket's blocks
+    merge = merge and not rule.units  # a state's units follow its bucket's elements
     update_runs = runs(parts, ("param", "grad", "states", "low"), merge)
     lows = [a for k in (Kind.PARAMS, Kind.PARAMS_LOW) for a in stores.get(k, {}).values()]
     member = dict(settings.member)
@@ -318,6 +325,8 @@ def build_engine(
         low_bases=[low_base(run.arrays[-1], lows) for run in update_runs],
         segments=adam_segments(layout, config.stage, update_runs, member),
         update_offsets=[held(layout, config.stage, run.first)[0] for run in update_runs],
+        update_units=[_run_units(rule, layout, config.stage, run) for run in update_runs],
+        update_counted=[_counted(layout, config.stage, run) for run in update_runs],
         agreement=Agreement(comm, layout, rule.block) if rule.block else None,
         stats_runs=StatsRuns(runs(parts, ("stats",), merge=True), len(parts)),
         configs=list(configs if configs is not None else settings.configs), member=member,
@@ -466,3 +475,31 @@ def _reducer(
         nodes.node.fence if ends else None,
     )  # fmt: skip
 
+
+
+def _run_units(rule: Rule, layout: Layout, stage: int, run: Run) -> list[tuple[Spans, int] | None]:
+    """Per state of ``rule``, for ``run`` (one bucket: runs are not merged for such a
+    rule): the state's units and the run's first entry, or None for a per-element
+    state."""
+    first, count = held(layout, stage, run.first)
+    dtype = layout.buckets[run.first].dtype
+    out: list[tuple[Spans, int] | None] = []
+    for kind in rule.states:
+        if kind.units:
+            spans = spans_of(kind, layout, dtype)
+            out.append((spans, spans.touched(first, count)[0]))
+        else:
+            out.append(None)
+    return out
+
+
+def _counted(layout: Layout, stage: int, run: Run) -> tuple[int, int]:
+    """The run-local elements of ``run`` this rank counts in statistics over all
+    ranks: at stage 0 (every rank updates every element) its part of each bucket,
+    which only a run of one bucket can say; else all of them."""
+    n = run.arrays[0].shape[0]
+    if stage != 0:
+        return 0, n
+    if run.first != run.last:  # merged buckets: not a rule that counts (it would not merge)
+        return 0, 0
+    return layout.buckets[run.first].local(layout.rank)

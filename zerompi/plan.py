@@ -270,7 +270,8 @@ def buffer_plan(
         if sharded and plan.access is not Access.CALLER_GATHERS:
             add(Kind.PARAM_BUCKET, p_dt, layout.max_bucket(dtype) * gather_slots(overlap), dtype)
         for kind in states:
-            count = blockwise.count(layout, stage, dtype, kind.block) if kind.block else local
+            count = (blockwise.count(layout, stage, dtype, blockwise.spans_of(kind, layout, dtype))
+                     if kind.units else local)  # fmt: skip
             add(kind, kind.storage(dtype), count, dtype)
         add(Kind.SCRATCH, dtype, min(BLOCK, max(local, 1)) * scratch_blocks, dtype)
     return out
@@ -341,10 +342,10 @@ def bucket_parts(
     master, params_low = stores.get(Kind.MASTER, {}), stores.get(Kind.PARAMS_LOW, {})
     reduced = stores.get(Kind.GRADS_REDUCED, {})
     summed_in_place = Kind.GRADS in plan.node_memory  # peers read the rest of the bucket
-    blocks = {  # per block size, per bucket: its entries in a block state's buffer
-        kind.block: {s.index: slice(s.at, s.at + s.count) for d in layout.sizes
-                     for s in blockwise.slots(layout, plan.stage, d, kind.block)}
-        for kind in states if kind.block}  # fmt: skip
+    units = {  # per state held by units, per bucket: its entries in the state's buffer
+        kind: {s.index: slice(s.at, s.at + s.count) for d in layout.sizes
+               for s in blockwise.slots(layout, plan.stage, d, blockwise.spans_of(kind, layout, d))}
+        for kind in states if kind.units}  # fmt: skip
     for index, bucket in enumerate(layout.buckets):
         dtype, (lo, hi) = bucket.dtype, bucket.local(layout.rank)
         whole = slice(bucket.start, bucket.stop)
@@ -379,7 +380,7 @@ def bucket_parts(
                 if dtype in params_low:
                     low = shard_of(params_low, layout, index)
         held = tuple(
-            stores[kind][dtype][blocks[kind.block][index]] if kind.block
+            stores[kind][dtype][units[kind][index]] if kind.units
             else stores[kind][dtype][moments] for kind in states)  # fmt: skip
         scratch = stores[Kind.SCRATCH][dtype]
         part = Part(
@@ -451,12 +452,12 @@ def state_views(
     """``(section, first global element, this rank's shard)`` of every bucket of every
     kind of state (:func:`state_kinds`) with one entry per element, in one fixed
     order: writable views of the buffers (what checkpoints write and read, and elastic
-    snapshots send). The states with one entry per block: :func:`block_views`."""
+    snapshots send). The states with one entry per block: :func:`unit_views`."""
     flat = masters(stores)
     out = []
     for kind in state_kinds(states):
-        if isinstance(kind, StateKind) and kind.block:
-            continue  # (block_views)
+        if isinstance(kind, StateKind) and kind.units:
+            continue  # (unit_views)
         store = flat if kind is Kind.PARAMS else stores[kind]
         for index, bucket in enumerate(layout.buckets):
             lo, hi = bucket.local(layout.rank)
@@ -470,17 +471,18 @@ def state_views(
     return out
 
 
-def block_views(
+def unit_views(
     plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind]
 ) -> list[tuple[str, blockwise.Entry]]:
-    """``(section, entry)`` of every bucket of every state with one entry per block
-    (:class:`zerompi.blockwise.Entry`: what this rank reads and what it writes), in
-    one fixed order, after :func:`state_views`' sections."""
+    """``(section, entry)`` of every bucket of every state held per unit (block,
+    matrix row or column, vector element: :class:`zerompi.blockwise.Entry`, what this
+    rank reads and what it writes), in one fixed order, after :func:`state_views`'."""
     written = [(b.start + lo, hi - lo) for b in layout.buckets
                for lo, hi in (b.local(layout.rank),)]  # fmt: skip
     return [
-        (f"{kind.label}.{layout.buckets[i].dtype.name}", entry)
-        for kind in states if kind.block
-        for i, entry in enumerate(blockwise.entries(layout, plan.stage, stores[kind], kind.block,
-                                                    written))
+        (f"{kind.label}.{entry.dtype.name}", entry)
+        for kind in states if kind.units
+        for entry in blockwise.entries(
+            layout, plan.stage, stores[kind],
+            {d: blockwise.spans_of(kind, layout, d) for d in layout.sizes}, written)
     ]  # fmt: skip

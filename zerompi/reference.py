@@ -238,3 +238,93 @@ class ReferenceLion:
     @property
     def states(self) -> dict[str, dict[str, np.ndarray]]:
         return {"exp_avg": self.exp_avg}
+
+
+class ReferenceAdafactor:
+    """Adafactor (Shazeer & Stern 2018, Algorithms 4 and 5, as ``torch.optim.Adafactor``
+    computes them) over a dict of full arrays: factored second moments for each
+    matrix (the last two dimensions of a parameter with two or more), one per element
+    for the others, relative step size, update clipping, decoupled weight decay.
+    ``states``: the rows' and columns' states of every matrix and the vectors'
+    states, each flat by dtype name in the parameters' order, as
+    ``optimizer="adafactor"`` lays them out. The sums over whole parameters are
+    float64 ``np.dot``'s."""
+
+    def __init__(
+        self, params: Mapping[str, np.ndarray], *, lr: float = 1e-2, beta2_decay: float = -0.8,
+        eps1: float | None = None, eps2: float = 1e-3, d: float = 1.0,
+        weight_decay: float = 0.0,
+    ) -> None:  # fmt: skip
+        self.params = {name: np.array(p, copy=True) for name, p in params.items()}
+        self.lr, self.beta2_decay, self.eps1, self.eps2 = lr, beta2_decay, eps1, eps2
+        self.d, self.wd = d, weight_decay
+        #: Per parameter, settings that differ (a parameter group's), changeable.
+        self.overrides: dict[str, dict[str, float]] = {}
+        self.rows: dict[str, np.ndarray] = {}
+        self.cols: dict[str, np.ndarray] = {}
+        self.vectors: dict[str, np.ndarray] = {}
+        for name, p in self.params.items():
+            if p.ndim >= 2:
+                stack = p.reshape(-1, p.shape[-2], p.shape[-1]).shape
+                self.rows[name] = np.zeros(stack[:2], p.dtype)
+                self.cols[name] = np.zeros((stack[0], stack[2]), p.dtype)
+            else:
+                self.vectors[name] = np.zeros(p.shape, p.dtype)
+        self.t = 0
+
+    def step(self, grads: Mapping[str, np.ndarray]) -> None:
+        import math
+
+        self.t += 1
+        t = float(self.t)
+        for name, p in self.params.items():
+            s = {"lr": self.lr, "beta2_decay": self.beta2_decay, "eps1": self.eps1,
+                 "eps2": self.eps2, "d": self.d, "weight_decay": self.wd,
+                 **self.overrides.get(name, {})}  # fmt: skip
+            dt = p.dtype.type
+            g = np.asarray(grads[name], p.dtype).reshape(-1)
+            x = p.reshape(-1).copy()
+            eps1 = s["eps1"] if s["eps1"] is not None else float(np.finfo(p.dtype).eps)
+            w, keep = dt(t ** s["beta2_decay"]), dt(1.0 - t ** s["beta2_decay"])
+            x64 = x.astype(np.float64)
+            alpha = max(s["eps2"], math.sqrt(float(np.dot(x64, x64)) / x.size)) * min(
+                s["lr"], 1.0 / math.sqrt(t))  # fmt: skip
+            if s["weight_decay"]:
+                x *= dt(1.0 - s["lr"] * s["weight_decay"])
+            if p.ndim >= 2:
+                n, m = p.shape[-2], p.shape[-1]
+                g3 = g.reshape(-1, n, m)
+                sq = g3.astype(np.float64) ** 2
+                rows, cols = self.rows[name], self.cols[name]
+                rows[...] = rows * keep + (sq.sum(axis=2) / m).astype(p.dtype) * w
+                cols[...] = cols * keep + (sq.sum(axis=1) / n).astype(p.dtype) * w
+                u = np.empty_like(g3)
+                for k in range(g3.shape[0]):
+                    denom = max(dt(np.mean(rows[k])), dt(eps1))
+                    v = np.outer(rows[k], cols[k]) / denom
+                    u[k] = g3[k] / np.sqrt(np.maximum(v, dt(eps1 * eps1)))
+                u = u.reshape(-1)
+            else:
+                vec = self.vectors[name].reshape(-1)
+                vec[...] = vec * keep + (g * g) * w
+                u = g / np.sqrt(np.maximum(vec, dt(eps1 * eps1)))
+            u64 = u.astype(np.float64)
+            rms_u = math.sqrt(float(np.dot(u64, u64)) / u.size)
+            x += u * dt(-alpha / max(1.0, rms_u / s["d"]))
+            self.params[name] = x.reshape(p.shape)
+
+    @property
+    def states(self) -> dict[str, dict[str, np.ndarray]]:
+        """The states as ``optimizer="adafactor"``'s ``gather_state`` gives them: flat
+        by dtype name, in the parameters' order."""
+        out: dict[str, dict[str, list[np.ndarray]]] = {
+            "exp_avg_sq_row": {}, "exp_avg_sq_col": {}, "exp_avg_sq": {}}  # fmt: skip
+        for name, p in self.params.items():
+            d = p.dtype.name
+            for label, table in (("exp_avg_sq_row", self.rows), ("exp_avg_sq_col", self.cols),
+                                 ("exp_avg_sq", self.vectors)):  # fmt: skip
+                out[label].setdefault(d, [])
+                if name in table:
+                    out[label][d].append(table[name].reshape(-1))
+        return {label: {d: np.concatenate(parts) if parts else np.zeros(0, d)
+                        for d, parts in by.items()} for label, by in out.items()}  # fmt: skip

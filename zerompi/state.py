@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .adam import round_low
-from .blockwise import Entry, slots, total_blocks
+from .blockwise import Entry, spans_of
 from .buffers import StateKind
-from .plan import block_views, master_is_full, masters, shard_of, state_kinds, state_views
+from .plan import master_is_full, masters, shard_of, state_kinds, state_views, unit_views
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -41,9 +41,9 @@ def gather_state(engine: Engine) -> dict[str, dict[str, np.ndarray]]:
     """Collective: the full (unsharded) states of the update rule (Adam's
     ``exp_avg`` and ``exp_avg_sq``) of every parameter on every rank. Allocates
     full-size arrays: for checks and export, not for the training loop."""
-    kinds = {kind.label: kind for kind in engine.rule.states if not kind.block}
-    blocks: dict[str, Any] = {kind.label: gather_blocks(engine, kind)
-                              for kind in engine.rule.states if kind.block}  # fmt: skip
+    kinds = {kind.label: kind for kind in engine.rule.states if not kind.units}
+    blocks: dict[str, Any] = {kind.label: gather_units(engine, kind)
+                              for kind in engine.rule.states if kind.units}  # fmt: skip
     if engine.stage == 0:
         engine.comm.barrier()
         return {
@@ -53,21 +53,23 @@ def gather_state(engine: Engine) -> dict[str, dict[str, np.ndarray]]:
     return {key: gather_full(engine, engine.stores[kind]) for key, kind in kinds.items()} | blocks
 
 
-def gather_blocks(engine: Engine, kind: StateKind) -> dict[str, np.ndarray]:
-    """Collective: a state with one entry per block (8-bit Adam's scales), whole, by
-    master dtype name: one entry per block of that dtype's flat parameters. The
-    entries are never negative and the ranks sharing a block agree on it, so the
-    largest over the ranks is every block's value."""
-    layout, out = engine.layout, {}
-    for dtype, size in layout.sizes.items():
-        store = engine.stores[kind][dtype]
-        full = np.zeros(total_blocks(size, kind.block), store.dtype)
-        for slot in slots(layout, engine.stage, dtype, kind.block):
-            full[slot.first : slot.first + slot.count] = store[slot.at : slot.at + slot.count]
-        with engine.comm.untracked():
-            engine.comm.max_inplace(full)
-        out[dtype.name] = full
-    return out
+def gather_units(engine: Engine, kind: StateKind) -> dict[str, np.ndarray]:
+    """Collective: a state held per unit (8-bit Adam's scales, Adafactor's rows and
+    columns), whole, by master dtype name: its entries in the order of their units
+    (:mod:`zerompi.blockwise`). Each entry comes from the rank a checkpoint takes it
+    from (the one holding its unit's first element), the others add zeros."""
+    layout = engine.layout
+    full = {d: np.zeros(spans_of(kind, layout, d).total, engine.stores[kind][d].dtype)
+            for d in layout.sizes}  # fmt: skip
+    for name, entry in unit_shards(engine):
+        if name.partition(".")[0] == kind.label:
+            own = entry.held[entry.own]
+            start = entry.first + entry.own.start
+            full[entry.dtype][start : start + own.shape[0]] = own
+    with engine.comm.untracked():
+        for values in full.values():
+            engine.comm.sum_inplace(values)
+    return {d.name: values for d, values in full.items()}
 
 
 def gather_full(
@@ -109,19 +111,23 @@ def section_layouts(engine: Engine) -> dict[str, dict[str, Any]]:
     """Per state not held as one element of the parameters' dtype per element, what
     its sections hold (:func:`zerompi.checkpoint.format.build_header`'s ``layouts``)."""
     out: dict[str, dict[str, Any]] = {}
+    layout = engine.layout
     for kind in engine.rule.states:
         spec: dict[str, Any] = {} if kind.dtype is None else {"dtype": kind.dtype}
-        if kind.block:
-            spec.update(dtype=kind.dtype or "float32", block=kind.block)
+        if kind.units:
+            spec["per"] = kind.per
+            if kind.block:
+                spec["block"] = kind.block
+            spec["counts"] = {d.name: spans_of(kind, layout, d).total for d in layout.sizes}
         if spec:
             out[kind.label] = spec
     return out
 
 
-def block_shards(engine: Engine) -> list[tuple[str, Entry]]:
+def unit_shards(engine: Engine) -> list[tuple[str, Entry]]:
     """``(section, entry)`` of every bucket of every state with one entry per block
-    (:func:`zerompi.plan.block_views`), after :func:`state_shards`' in file order."""
-    return block_views(engine.plan, engine.layout, engine.stores, engine.rule.states)
+    (:func:`zerompi.plan.unit_views`), after :func:`state_shards`' in file order."""
+    return unit_views(engine.plan, engine.layout, engine.stores, engine.rule.states)
 
 
 def state_shards(engine: Engine) -> list[tuple[str, int, np.ndarray]]:
@@ -146,7 +152,7 @@ def publish_state(engine: Engine) -> None:
             if stage == 0:  # everything everywhere, the master included (a rank reads
                 # every block of a block state it holds)
                 for store in (flat, *(engine.stores[k] for k in engine.rule.states
-                                      if not k.block)):  # fmt: skip
+                                      if not k.units)):  # fmt: skip
                     comm.allgatherv_inplace(
                         store[bucket.dtype][whole], bucket.counts, bucket.displs, tag=index
                     )

@@ -14,9 +14,10 @@ import math
 import numpy as np
 
 from .adam import sr_key
-from .blockwise import block_slice
+from .blockwise import in_run
 from .engine import Engine
 from .mpi.agreement import CollectiveError, agree_step
+from .rules.base import Piece
 from .settings import settings_token
 
 
@@ -120,22 +121,26 @@ def update(engine: Engine, divisor: float) -> None:
     rule_update = rule.update
     chunk = gatherer.chunk
     key = sr_key(step_count) if engine.config.precision.rounding == "stochastic" else None
-    blocks = [kind.block for kind in rule.states]
     pending = []  # what the update calls leave for the rule's finish (block states)
-    for run, base, first, segs in zip(engine.update_runs, engine.low_bases,
-                                      engine.update_offsets, engine.segments,
-                                      strict=True):  # fmt: skip
+    context = None
+    if rule.prepares:  # (collective) statistics over whole parameters first
+        with adam_phase:
+            context = rule.before(pieces(engine, divisor), step_count, engine.layout.params,
+                                  engine.comm.sum_inplace)  # fmt: skip
+    for run, base, first, segs, units in zip(engine.update_runs, engine.low_bases,
+                                             engine.update_offsets, engine.segments,
+                                             engine.update_units, strict=True):  # fmt: skip
         (param, grad, *states, low), scratch = run.arrays, run.scratch
         for lo, hi, config in ((lo, min(lo + chunk, stop), configs[group])
                                for start, stop, group in segs
                                for lo in range(start, stop, chunk)):  # fmt: skip
             sr = None if key is None or low is None else (key, base + lo)
-            views = [s[block_slice(first, lo, hi, b)] if b else s[lo:hi]
-                     for s, b in zip(states, blocks, strict=True)]  # fmt: skip
+            views = [s[lo:hi] if u is None else s[in_run(u[0], first, u[1], lo, hi)]
+                     for s, u in zip(states, units, strict=True)]  # fmt: skip
             with adam_phase:
                 left = rule_update(param[lo:hi], grad[lo:hi], views, step_count, config, scratch,
                                    divisor, None if low is None else low[lo:hi], sr,
-                                   first + lo)  # fmt: skip
+                                   first + lo, context)  # fmt: skip
             if left is not None:
                 pending.append(left)
             with gather_phase:
@@ -145,6 +150,20 @@ def update(engine: Engine, divisor: float) -> None:
     if engine.agreement is not None:  # (collective) the blocks that parts share
         with adam_phase:
             rule.finish(pending, engine.agreement)
+
+
+def pieces(engine: Engine, divisor: float) -> list[Piece]:
+    """What this rank updates, run by run (one bucket each for a rule that prepares:
+    its states are held per unit), for :meth:`zerompi.rules.Rule.before`."""
+    configs = engine.configs
+    return [
+        Piece(param, grad, states, first, counted,
+              [(start, stop, configs[group]) for start, stop, group in segs], divisor)
+        for (param, grad, *states, _), first, counted, segs in (
+            (run.arrays, first, counted, segs) for run, first, counted, segs in zip(
+                engine.update_runs, engine.update_offsets, engine.update_counted,
+                engine.segments, strict=True))
+    ]  # fmt: skip
 
 
 def end_step(engine: Engine) -> None:

@@ -145,6 +145,13 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         help="largest parameter tensor in elements (the model is P split into such tensors)",
     )
     p.add_argument(
+        "--matrix-cols",
+        type=non_negative,
+        default=0,
+        help="shape each tensor of the model as a matrix of this many columns where it "
+        "divides (what Adafactor factors); 0: vectors",
+    )
+    p.add_argument(
         "--tensors",
         type=non_negative,
         default=DEFAULT_TENSORS,

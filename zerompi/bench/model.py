@@ -30,23 +30,36 @@ def init_tensor(seed: int, index: int, size: int, dtype: np.dtype) -> np.ndarray
     return out
 
 
-def deferred_model(sizes: Sequence[int], seed: int, dtype: np.dtype) -> dict[str, Deferred]:
-    """The model as ``Deferred`` tensors: only rank 0 makes the initial values."""
+def tensor_shape(size: int, cols: int = 0) -> tuple[int, ...]:
+    """A tensor's shape: a matrix of ``cols`` columns where ``cols`` divides ``size``
+    (``--matrix-cols``: what Adafactor factors), else a vector."""
+    if cols and size >= cols and size % cols == 0:
+        return (size // cols, cols)
+    return (size,)
+
+
+def deferred_model(
+    sizes: Sequence[int], seed: int, dtype: np.dtype, cols: int = 0
+) -> dict[str, Deferred]:
+    """The model as ``Deferred`` tensors (matrices of ``cols`` columns where they
+    divide): only rank 0 makes the initial values."""
     return {
-        f"t{i}": Deferred((n,), dtype, lambda i=i, n=n: init_tensor(seed, i, n, dtype))
+        f"t{i}": Deferred(tensor_shape(n, cols), dtype, lambda i=i, n=n: init_tensor(
+            seed, i, n, dtype).reshape(tensor_shape(n, cols)))
         for i, n in enumerate(sizes)
-    }
+    }  # fmt: skip
 
 
 def make_grads(
-    sizes: Sequence[int], seed: int, rank: int, dtype: np.dtype
+    sizes: Sequence[int], seed: int, rank: int, dtype: np.dtype, cols: int = 0
 ) -> dict[str, np.ndarray]:
-    """This rank's synthetic gradients (different on every rank), made once."""
+    """This rank's synthetic gradients (different on every rank; shaped as
+    :func:`deferred_model`'s tensors), made once."""
     rng = np.random.default_rng([seed, 1_000_003, rank])
     grads = {}
     for i, n in enumerate(sizes):
         g = rng.standard_normal(n, dtype=dtype)
         g *= GRAD_SCALE
-        grads[f"t{i}"] = g
+        grads[f"t{i}"] = g.reshape(tensor_shape(n, cols))
     return grads
 

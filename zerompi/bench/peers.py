@@ -79,7 +79,7 @@ class TorchModel:
     def load_grads(self, grads: dict[str, np.ndarray]) -> None:
         """The backward: this rank's gradients into the flat gradient."""
         for view, grad in zip(self.grad_views, grads.values(), strict=True):
-            np.copyto(view, grad)
+            np.copyto(view, grad.reshape(-1))
 
 
 def bench_torch(

@@ -37,7 +37,7 @@ def bench_size(
     """Every measurement of one model size: one row per stage."""
     dtype = np.dtype(args.dtype)
     sizes = tensor_sizes(params, args.tensor_elems)
-    grads = make_grads(sizes, args.seed, comm.rank, dtype)
+    grads = make_grads(sizes, args.seed, comm.rank, dtype, args.matrix_cols)
     rows, mixed = [], []
     precision = (args.param_dtype, args.reduce_dtype)
     for stage in args.stages:

@@ -67,7 +67,7 @@ def bench_many_tensors(comm: Comm, args: argparse.Namespace) -> list[dict[str, A
     layers of ``--tensor-size`` elements."""
     dtype = np.dtype(args.dtype)
     sizes = [args.tensor_size] * args.tensors
-    grads = make_grads(sizes, args.seed, comm.rank, dtype)
+    grads = make_grads(sizes, args.seed, comm.rank, dtype, args.matrix_cols)
     rows = []
     for stage in args.stages:
         row = bench_stage(comm, stage, sizes, grads, args)

@@ -41,7 +41,8 @@ def update_arrays(states: Sequence[StateKind], dtype: np.dtype) -> float:
     per element: param, grad and the states read, param and the states written (a
     state of another dtype, or with one entry per block, counted by its bytes: 8-bit
     Adam's codes a quarter each, its scales 1/256)."""
-    state_bytes = sum(k.storage(dtype).itemsize / (k.block or 1) for k in states)
+    state_bytes = sum(k.storage(dtype).itemsize / (k.block or 1) for k in states
+                      if k.per in ("element", "block"))  # (rows, columns: negligible)
     arrays = 3 + 2 * state_bytes / dtype.itemsize
     return int(arrays) if arrays == int(arrays) else arrays
 #: Per stage: (reduction passes, gather passes) over the P parameters in one step.
@@ -113,7 +114,7 @@ def bench_stage(
     from ..optimizer import ZeroOptimizer
 
     opt = ZeroOptimizer(
-        deferred_model(sizes, args.seed, dtype),
+        deferred_model(sizes, args.seed, dtype, args.matrix_cols),
         comm=comm.mpi,
         stage=stage,
         optimizer=getattr(args, "optimizer", "adam"),

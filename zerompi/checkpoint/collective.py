@@ -99,7 +99,7 @@ def _save(engine: Engine, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     names = state.state_sections(engine)
     parts = state.state_shards(engine)
-    blocks = state.block_shards(engine)
+    blocks = state.unit_shards(engine)
     sums = _checksums(comm, names, parts + _owned(blocks))
     token = comm.allgather(f"{os.getpid()}-{secrets.token_hex(6)}" if comm.rank == 0 else None)[0]
     tmp = f"{path}.tmp-{token}"
@@ -206,8 +206,7 @@ def check_compatible(engine: Engine, header: dict[str, Any], path: str) -> None:
         section = sections.get(name)
         label, _, dtype = name.rpartition(".")
         spec = layouts.get(label, {})
-        block = spec.get("block", 0)
-        count = -(-sizes[dtype] // block) if block else sizes[dtype]
+        count = spec["counts"][dtype] if "counts" in spec else sizes[dtype]
         if (section is None or section["count"] != count
                 or section["dtype"] != spec.get("dtype", dtype)):  # fmt: skip
             raise CheckpointError(f"{path}: section {name} is missing or has the wrong size")
@@ -231,7 +230,7 @@ def _load(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
     sections = sections_by_name(header)
     names = state.state_sections(engine)
     targets = state.state_shards(engine)
-    blocks = state.block_shards(engine)
+    blocks = state.unit_shards(engine)
     targets += [(name, e.first, e.held) for name, e in blocks]  # (each block it holds)
     # Read this rank's shards into scratch copies: nothing is touched until every
     # checksum has been verified.

@@ -16,9 +16,12 @@ and one per state of the update rule (Adam: ``exp_avg.<dtype>`` and
 each the full flat vector of that dtype (``sizes[dtype]`` elements, little-endian) in the
 *global* flat order: parameters of that dtype packed in the mapping's order. A state
 may be stored in another dtype (8-bit Adam's codes: ``exp_avg_codes.float32`` holds
-one ``uint8`` per element) or hold one entry per block of the flat vector (its scales:
-``exp_avg_scales.float32``, ``"block": 256`` in the section, ``ceil(n / 256)``
-entries); the section's ``dtype`` and ``count`` say so. The
+one ``uint8`` per element) or per unit of the flat vector (its scales:
+``exp_avg_scales.float32``, ``"per": "block", "block": 256`` in the section,
+``ceil(n / 256)`` entries; Adafactor's ``"per": "row"`` and ``"column"``: each matrix's
+rows, then columns, in the parameters' order; ``"vector"``: the elements of the
+parameters with fewer than two dimensions); the section's ``dtype``, ``count`` and
+``per`` say so. The
 order does not depend on the world size, the stage or the bucketing, so a
 checkpoint saved by any world loads into any other.
 
@@ -152,18 +155,20 @@ def build_header(
     section's absolute offset. ``checksums`` maps section name -> (s1, s2);
     ``states``: the update rule's (Adam's by default); ``layouts``: per state whose
     sections are not one element of the parameters' dtype per element, what they
-    are (``{"dtype": "uint8"}`` for 8-bit codes; ``{"dtype": "float32", "block":
-    256}`` for one scale per block of 256 elements)."""
+    are: ``{"dtype": "uint8"}`` for 8-bit codes; for a state held per unit (one scale
+    per block of 256 elements, a matrix's rows or columns), ``"per"`` (``"block"``,
+    ``"row"``, ``"column"``, ``"vector"``), ``"block"`` where it is one, and its
+    ``"counts"`` by dtype."""
     layouts = layouts or {}
     sections = []
     for dtype, n in sizes.items():
         for kind in ("params", *states):
             spec = layouts.get(kind, {})
-            block = int(spec.get("block", 0))
             section = {"name": f"{kind}.{dtype}", "dtype": spec.get("dtype", dtype),
-                       "count": -(-int(n) // block) if block else int(n)}  # fmt: skip
-            if block:
-                section["block"] = block
+                       "count": int(spec["counts"][dtype]) if "counts" in spec else int(n)}
+            for key in ("per", "block"):
+                if key in spec:
+                    section[key] = spec[key]
             sections.append(section)
     header = {
         "format": FORMAT,
@@ -308,7 +313,7 @@ def read(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
             flat = _read_section(path, section)
             if verify:
                 _check_section(path, section, flat)
-            if section.get("block"):  # one entry per block of the flat parameters
+            if section.get("per", "element") != "element":  # entries per unit
                 out[kind][dtype] = flat
                 per_block.add(kind)
                 continue

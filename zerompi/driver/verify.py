@@ -28,7 +28,14 @@ import numpy as np
 from .. import mlp
 from ..partition import shard_range
 from ..precision import loss_scale_of, resolve_dtype
-from ..reference import ReferenceAdam, ReferenceAdam8bit, ReferenceLion, ReferenceSGD, average
+from ..reference import (
+    ReferenceAdafactor,
+    ReferenceAdam,
+    ReferenceAdam8bit,
+    ReferenceLion,
+    ReferenceSGD,
+    average,
+)
 from ..runtime import clock
 from .training import loss_scale_arg, micro_batch_rows
 
@@ -63,6 +70,8 @@ def reference_optimizer(
                             decoupled_weight_decay=args.adamw)  # fmt: skip
     if args.optimizer == "lion":
         return ReferenceLion(params, lr=args.lr, weight_decay=args.weight_decay)
+    if args.optimizer == "adafactor":
+        return ReferenceAdafactor(params, lr=args.lr, weight_decay=args.weight_decay)
     if args.optimizer == "adam8bit":
         return ReferenceAdam8bit(params, lr=args.lr, weight_decay=args.weight_decay,
                                  decoupled_weight_decay=args.adamw)  # fmt: skip

@@ -387,6 +387,15 @@ class Comm(FileIO, Agreement):
         """Sum of a scalar over ranks."""
         return self._reduce_scalar(value, MPI.SUM)
 
+    def sum_inplace(self, buf: np.ndarray) -> None:
+        """Collective: the elementwise sum of a small array (float32 or float64) over
+        ranks, in place on every rank; a control message (statistics of a few numbers
+        per matrix row or column, per parameter), not counted as data-path traffic."""
+        self._blocking(
+            "allreduce", -1,
+            lambda: self.mpi.Allreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM),
+        )  # fmt: skip
+
     def max_inplace(self, buf: np.ndarray) -> None:
         """Collective: the elementwise maximum of a small array (float32 or float64)
         over ranks, in place on every rank. A control message (the scales of the

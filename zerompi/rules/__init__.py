@@ -19,13 +19,16 @@ The rules, chosen by ``ZeroConfig(optimizer=...)``:
   (:mod:`zerompi.rules.sgd`);
 * ``"lion"``: Lion, Chen et al. 2023 (:mod:`zerompi.rules.lion`);
 * ``"adam8bit"``: Adam/AdamW with its moments in 8 bits, blockwise (Dettmers et al.
-  2022; :mod:`zerompi.rules.adam8`).
+  2022; :mod:`zerompi.rules.adam8`);
+* ``"adafactor"``: Adafactor's factored second moments, Shazeer & Stern 2018
+  (:mod:`zerompi.rules.adafactor`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .adafactor import ADAFACTOR
 from .adam import ADAM
 from .adam8 import ADAM8BIT
 from .base import RULE_FIELDS, Rule, check_fields, write_low
@@ -33,7 +36,7 @@ from .lion import LION
 from .sgd import SGD_RULE
 
 #: Every rule by name.
-RULES: dict[str, Rule] = {r.name: r for r in (ADAM, SGD_RULE, LION, ADAM8BIT)}
+RULES: dict[str, Rule] = {r.name: r for r in (ADAM, SGD_RULE, LION, ADAM8BIT, ADAFACTOR)}
 
 
 def rule_of(name: Any) -> Rule:

@@ -38,7 +38,7 @@ class Adam(Rule):
     def update(
         self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
         config: Any, scratch: np.ndarray, divisor: float, low: np.ndarray | None,
-        stochastic: tuple[int, int] | None, offset: int = 0,
+        stochastic: tuple[int, int] | None, offset: int = 0, context: Any = None,
     ) -> None:  # fmt: skip
         exp_avg, exp_avg_sq = states
         adam_step(param, grad, exp_avg, exp_avg_sq, step, config, scratch, divisor, low=low,

@@ -32,15 +32,15 @@ class Adam8bit(Adam):
     states = (
         StateKind("exp_avg_codes", dtype="uint8"),
         StateKind("exp_avg_sq_codes", dtype="uint8"),
-        StateKind("exp_avg_scales", dtype="float32", block=quant.BLOCK),
-        StateKind("exp_avg_sq_scales", dtype="float32", block=quant.BLOCK),
+        StateKind("exp_avg_scales", dtype="float32", per="block", block=quant.BLOCK),
+        StateKind("exp_avg_sq_scales", dtype="float32", per="block", block=quant.BLOCK),
     )
     dtypes = ("float32",)
 
     def update(
         self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
         config: Any, scratch: np.ndarray, divisor: float, low: np.ndarray | None,
-        stochastic: tuple[int, int] | None, offset: int = 0,
+        stochastic: tuple[int, int] | None, offset: int = 0, context: Any = None,
     ) -> tuple[quant.Edges, int, tuple[np.ndarray, ...]] | None:  # fmt: skip
         qm, qv, sm, sv = states
         edges = quant.adam8_step(param, grad, qm, qv, sm, sv, offset, step, config, divisor,

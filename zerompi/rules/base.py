@@ -4,14 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from .. import adam as _adam
 from ..adam import stochastic_round
 from ..buffers import StateKind
+
+
+class Piece(NamedTuple):
+    """What a rank updates of one bucket, as :meth:`Rule.before` sees it: the run's
+    arrays, its first element's global offset, the elements this rank counts in
+    statistics over all ranks (``counted``, run-local: each element of the model is
+    counted by one rank), its parameter groups' configs by segment, and the divisor
+    that averages the summed gradient."""
+
+    param: np.ndarray
+    grad: np.ndarray
+    states: Sequence[np.ndarray]
+    offset: int
+    counted: tuple[int, int]
+    segments: Sequence[tuple[int, int, Any]]
+    divisor: float
 
 
 class Rule(ABC):
@@ -37,6 +53,9 @@ class Rule(ABC):
     variant: str | None = None
     #: The master dtypes it runs on (``None``: any).
     dtypes: ClassVar[tuple[str, ...] | None] = None
+    #: Whether it needs statistics over whole parameters before any element is updated
+    #: (:meth:`before`; Adafactor's factored second moments and its RMS terms).
+    prepares: ClassVar[bool] = False
 
     @abstractmethod
     def base(self, config: Any) -> Any:
@@ -46,7 +65,7 @@ class Rule(ABC):
     def update(
         self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
         config: Any, scratch: np.ndarray, divisor: float, low: np.ndarray | None,
-        stochastic: tuple[int, int] | None, offset: int = 0,
+        stochastic: tuple[int, int] | None, offset: int = 0, context: Any = None,
     ) -> Any:  # fmt: skip
         """One step on 1-D views of equal length, in place. ``grad`` holds the
         gradient summed over ranks and micro-batches and is consumed; dividing it by
@@ -59,7 +78,21 @@ class Rule(ABC):
         <zerompi.buffers.StateKind.block>`) comes as the entries of the blocks the
         elements touch, and ``offset`` is the global element (in the flat parameters
         of its dtype) of ``param[0]``. What the update returns, if not ``None``, is
-        handed to :meth:`finish` at the end of the step's update."""
+        handed to :meth:`finish` at the end of the step's update. ``context``: what
+        :meth:`before` returned this step (rules that :attr:`prepares`)."""
+
+    def before(
+        self, pieces: list[Piece], step: int, params: Sequence[Any],
+        reduce: Callable[[np.ndarray], None],
+    ) -> Any:  # fmt: skip
+        """Collective, before the update of a step, for a rule that :attr:`prepares`:
+        ``pieces`` are what this rank updates (:class:`Piece`, one per bucket),
+        ``params`` the layout's :class:`zerompi.partition.ParamSpec` (shapes, offsets
+        in the flat parameters of their dtype), ``reduce`` sums a float64 array over
+        the ranks in place. Returns the context every :meth:`update` call gets. It
+        may divide the gradients by the divisor in place (and then say so to
+        :meth:`update` in the context)."""
+        return None
 
     def finish(self, pending: list[Any], agree: Any) -> None:
         """Collective, at the end of every update of a rule with per-block states:
@@ -73,6 +106,11 @@ class Rule(ABC):
         """The block size of its per-block states (``0``: it has none)."""
         return max((s.block for s in self.states), default=0)
 
+    @property
+    def units(self) -> bool:
+        """Whether any of its states is held per unit (block, matrix, vector element)."""
+        return any(s.units for s in self.states)
+
     def check(self, dtypes: Sequence[np.dtype], elastic: bool) -> None:
         """Raise (a ``ValueError`` naming the value) where the rule cannot run on
         parameters of ``dtypes`` or with elastic snapshots."""
@@ -82,9 +120,10 @@ class Rule(ABC):
                 raise ValueError(
                     f"optimizer={self.name!r} runs on {', '.join(self.dtypes)} parameters "
                     f"only; this model has {', '.join(bad)} ones")  # fmt: skip
-        if elastic and self.block:
-            raise ValueError(f"optimizer={self.name!r} cannot be elastic yet: its per-block "
-                             "states are not in the snapshots (use elastic=False)")  # fmt: skip
+        if elastic and self.units:
+            raise ValueError(f"optimizer={self.name!r} cannot be elastic yet: its states "
+                             "held per block or matrix are not in the snapshots (use "
+                             "elastic=False)")  # fmt: skip
 
     def group(self, base: Any, entry: Mapping[str, Any], where: str) -> Any:
         """A parameter group's hyperparameters: ``base`` with the group's settings."""
@@ -128,7 +167,8 @@ class Rule(ABC):
 
 #: ``ZeroConfig`` fields that belong to one rule or another.
 RULE_FIELDS: dict[str, Any] = {
-    "betas": None, "eps": 1e-8, "momentum": 0.0, "dampening": 0.0, "nesterov": False}  # fmt: skip
+    "betas": None, "eps": 1e-8, "momentum": 0.0, "dampening": 0.0, "nesterov": False,
+    "beta2_decay": -0.8, "eps1": None, "eps2": 1e-3, "d": 1.0}  # fmt: skip
 
 
 def blocks(n: int, size: int) -> Iterator[tuple[int, int]]:

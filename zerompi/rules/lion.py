@@ -60,7 +60,7 @@ class Lion(Rule):
     def update(
         self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
         config: Any, scratch: np.ndarray, divisor: float, low: np.ndarray | None,
-        stochastic: tuple[int, int] | None, offset: int = 0,
+        stochastic: tuple[int, int] | None, offset: int = 0, context: Any = None,
     ) -> None:  # fmt: skip
         c = config
         (exp_avg,) = states

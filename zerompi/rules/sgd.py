@@ -68,7 +68,7 @@ class SGD(Rule):
     def update(
         self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
         config: Any, scratch: np.ndarray, divisor: float, low: np.ndarray | None,
-        stochastic: tuple[int, int] | None, offset: int = 0,
+        stochastic: tuple[int, int] | None, offset: int = 0, context: Any = None,
     ) -> None:  # fmt: skip
         c = config
         (buf,) = states

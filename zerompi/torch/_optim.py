@@ -94,15 +94,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
-    def _settings(self, group: dict[str, Any], c: Any) -> dict[str, float]:
+    def _settings(self, group: dict[str, Any], c: Any) -> dict[str, float | None]:
         """The torch group's settings that differ from its zerompi group's ``c`` (those
-        of the update rule, :attr:`zerompi.rules.Rule.settings`)."""
-        wanted = {}
+        of the update rule, :attr:`zerompi.rules.Rule.settings`; ``None`` stays None:
+        Adafactor's ``eps1``)."""
+        wanted: dict[str, float | None] = {}
         for key in self.zero.engine.rule.settings:
             if key in ("beta1", "beta2"):
                 wanted[key] = float(group["betas"][key == "beta2"])
             else:
-                wanted[key] = float(group[key])
+                wanted[key] = None if group[key] is None else float(group[key])
         return {k: v for k, v in wanted.items() if getattr(c, k) != v}
 
     @torch.no_grad()

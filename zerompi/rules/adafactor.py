@@ -1,0 +1,334 @@
+"""Adafactor as an update rule (Shazeer & Stern, "Adafactor: Adaptive Learning Rates
+with Sublinear Memory Cost", ICML 2018, Algorithms 4 and 5; in the form of
+``torch.optim.Adafactor``): the second moment of a matrix (the last two dimensions of
+a parameter with two or more) is factored into a state per row and a state per column,
+``n + m`` numbers for ``n * m`` elements; a parameter with fewer dimensions keeps one
+per element. No first moment. Per step ``t`` and parameter ``X``::
+
+    beta2_t = 1 - t^beta2_decay                     rho_t = min(lr, 1 / sqrt(t))
+    alpha_t = max(eps2, RMS(X)) * rho_t              X *= 1 - lr * weight_decay
+    R = beta2_t R + (1 - beta2_t) mean_j(G^2)        C = beta2_t C + (1 - beta2_t) mean_i(G^2)
+    V = R C^T / max(mean(R), eps1)                   (a vector: V = beta2_t V + (1 - beta2_t) G^2)
+    U = G / sqrt(max(V, eps1^2))                     X -= alpha_t U / max(1, RMS(U) / d)
+
+A matrix is cut across shards by the flat layout, so its rows' and columns' sums of
+``G^2``, and every parameter's ``RMS(X)`` and ``RMS(U)``, are sums over ranks: each
+rank adds what it counts (:class:`zerompi.rules.base.Piece`) in float64, and two small
+allreduces (:meth:`Adafactor.before`) give every rank the same totals. Each rank then
+holds, for every matrix its part touches, all of its rows' and columns' states
+(:mod:`zerompi.blockwise`: ``per="row"`` and ``"column"``) and updates them alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..adam import finite_real
+from ..buffers import StateKind
+from .base import Piece, Rule, write_low
+
+#: Elements a temporary of the update holds at most (rows of a matrix are processed
+#: this many elements at a time).
+CHUNK = 1 << 16
+
+
+@dataclass(frozen=True)
+class AdafactorConfig:
+    """Hyperparameters of Adafactor, validated on construction (``eps1=None``: the
+    dtype's machine epsilon, as torch's)."""
+
+    lr: float = 1e-2
+    beta2_decay: float = -0.8
+    eps1: float | None = None
+    eps2: float = 1e-3
+    d: float = 1.0
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "beta2_decay", "eps2", "d", "weight_decay"):
+            object.__setattr__(self, name, finite_real(name, getattr(self, name)))
+        if self.eps1 is not None:
+            object.__setattr__(self, "eps1", finite_real("eps1", self.eps1))
+        for name in ("lr", "eps2", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.eps1 is not None and self.eps1 < 0:
+            raise ValueError(f"eps1 must be >= 0 or None, got {self.eps1!r}")
+        if self.beta2_decay > 0:
+            raise ValueError(f"beta2_decay must be <= 0, got {self.beta2_decay!r}")
+        if self.d < 1:
+            raise ValueError(f"d (the update clipping threshold) must be >= 1, got {self.d!r}")
+
+
+def rects(a: int, b: int, n: int, m: int) -> Iterator[tuple[int, int, int, int, int, int]]:
+    """Elements ``a ... b`` of a stack of ``n x m`` matrices laid out row-major, as
+    rectangles ``(k, i0, i1, j0, j1, at)``: matrix ``k``, rows ``i0 ... i1``, columns
+    ``j0 ... j1`` (a part of one row, or whole rows, at most :data:`CHUNK` elements),
+    ``at`` the first element's index counted from ``a``."""
+    pos = a
+    while pos < b:
+        k, within = divmod(pos, n * m)
+        i, j = divmod(within, m)
+        end = min(b, (k + 1) * n * m)
+        if j or end - pos < m:  # a part of a row
+            stop = min(end, pos - j + m)
+            yield k, i, i + 1, j, j + (stop - pos), pos - a
+            pos = stop
+            continue
+        rows = min((end - pos) // m, max(1, CHUNK // m))
+        yield k, i, i + rows, 0, m, pos - a
+        pos += rows * m
+
+
+class _Matrix:
+    """One matrix of the stack of a parameter, on this rank: its rows' and columns'
+    states (views of the rank's buffers) and, after :meth:`Adafactor.before`, the
+    mean of its rows' state."""
+
+    __slots__ = ("cols", "mean", "rows")
+
+    def __init__(self, rows: np.ndarray, cols: np.ndarray) -> None:
+        self.rows, self.cols = rows, cols
+        self.mean = rows.dtype.type(0.0)
+
+
+@dataclass
+class _Tensor:
+    """A parameter this rank updates part of, for the step: its shape, where its
+    elements and its states are, its group's config, and its step sizes."""
+
+    offset: int
+    size: int
+    shape: tuple[int, ...]
+    config: AdafactorConfig
+    matrices: list[_Matrix | None]  # by index in the stack (None: not on this rank)
+    vector: np.ndarray | None  # a vector's per-element state over the rank's part
+    vector_at: int  # the global element of vector[0]
+    dtype: str = "float32"
+    alpha: float = 0.0
+    scale: float = 0.0  # -alpha / max(1, RMS(U) / d)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.dtype, self.offset
+
+
+class Adafactor(Rule):
+    name = "adafactor"
+    states = (
+        StateKind("exp_avg_sq_row", per="row"),
+        StateKind("exp_avg_sq_col", per="column"),
+        StateKind("exp_avg_sq", per="vector"),
+    )
+    settings = ("lr", "beta2_decay", "eps1", "eps2", "d", "weight_decay")
+    reads = ("beta2_decay", "eps1", "eps2", "d")
+    prepares = True
+
+    def base(self, config: Any) -> AdafactorConfig:
+        return AdafactorConfig(config.lr, config.beta2_decay, config.eps1, config.eps2,
+                               config.d, config.weight_decay)  # fmt: skip
+
+    def token(self, config: Any) -> tuple[Any, ...]:
+        """Floats only (``hash(None)`` differs between processes before Python 3.12)."""
+        c = config
+        return (c.lr, c.beta2_decay, -1.0 if c.eps1 is None else c.eps1, c.eps2, c.d,
+                c.weight_decay)  # fmt: skip
+
+    def before(
+        self, pieces: list[Piece], step: int, params: Sequence[Any],
+        reduce: Callable[[np.ndarray], None],
+    ) -> dict[tuple[str, int], _Tensor]:  # fmt: skip
+        """The statistics over whole parameters, in two allreduces: the rows' and
+        columns' sums of ``G^2`` and ``sum(X^2)``, then ``sum(U^2)``; the rows' and
+        columns' states and the vectors' updated on the way. Divides the gradients by
+        the divisor in place. Returns the parameters this rank updates by offset."""
+        tensors: dict[tuple[str, int], _Tensor] = {}
+        for piece in pieces:
+            np.divide(piece.grad, piece.divisor, out=piece.grad)
+            tensors.update(_tensors(piece, params))
+        # 1. rows' and columns' sums of G^2 (by the rank counting each element), sum(X^2)
+        layout = _Stats(params)
+        first = np.zeros(layout.size, np.float64)
+        for piece in pieces:
+            for t, lo, hi in _counted(piece, tensors):
+                g = piece.grad[lo - piece.offset : hi - piece.offset].astype(np.float64)
+                x = piece.param[lo - piece.offset : hi - piece.offset].astype(np.float64)
+                first[layout.sumsq[t.key]] += float(np.dot(x, x))
+                if t.matrices:
+                    n, m = t.shape[-2], t.shape[-1]
+                    rows, cols = layout.rows[t.key], layout.cols[t.key]
+                    for k, i0, i1, j0, j1, at in rects(lo - t.offset, hi - t.offset, n, m):
+                        sq = g[at : at + (i1 - i0) * (j1 - j0)].reshape(i1 - i0, j1 - j0) ** 2
+                        first[rows + k * n + i0 : rows + k * n + i1] += sq.sum(axis=1)
+                        first[cols + k * m + j0 : cols + k * m + j1] += sq.sum(axis=0)
+        reduce(first)
+        # 2. the states of the rows, columns (every matrix this rank holds) and vectors,
+        # then sum(U^2)
+        second = np.zeros(len(layout.index), np.float64)
+        for t in tensors.values():
+            c = t.config
+            dt = np.dtype(t.dtype).type
+            w = dt(float(step) ** c.beta2_decay)  # 1 - beta2_t
+            keep = dt(1.0 - float(step) ** c.beta2_decay)  # beta2_t
+            if t.matrices:
+                n, m = t.shape[-2], t.shape[-1]
+                rows, cols = layout.rows[t.key], layout.cols[t.key]
+                for k, mat in enumerate(t.matrices):
+                    if mat is None:
+                        continue  # (a matrix of the stack this rank does not touch)
+                    row_mean = (first[rows + k * n : rows + (k + 1) * n] / m).astype(dt)
+                    col_mean = (first[cols + k * m : cols + (k + 1) * m] / n).astype(dt)
+                    mat.rows *= keep
+                    mat.rows += row_mean * w
+                    mat.cols *= keep
+                    mat.cols += col_mean * w
+                    mat.mean = dt(np.mean(mat.rows))
+            rms_x = math.sqrt(first[layout.sumsq[t.key]] / t.size)
+            t.alpha = max(c.eps2, rms_x) * min(c.lr, 1.0 / math.sqrt(step))
+        for piece in pieces:  # the vectors' states over everything the rank updates
+            for t, lo, hi in _held(piece, tensors):
+                if t.vector is not None:
+                    g = piece.grad[lo - piece.offset : hi - piece.offset]
+                    v = t.vector[lo - t.vector_at : hi - t.vector_at]
+                    c, dt = t.config, g.dtype.type
+                    v *= dt(1.0 - float(step) ** c.beta2_decay)
+                    v += (g * g) * dt(float(step) ** c.beta2_decay)
+        for piece in pieces:
+            for t, lo, hi in _counted(piece, tensors):
+                g = piece.grad[lo - piece.offset : hi - piece.offset]
+                u = _u(t, g, lo).astype(np.float64)
+                second[layout.index[t.key]] += float(np.dot(u, u))
+        reduce(second)
+        for t in tensors.values():
+            rms_u = math.sqrt(second[layout.index[t.key]] / t.size)
+            t.scale = -t.alpha / max(1.0, rms_u / t.config.d)
+        return tensors
+
+    def update(
+        self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
+        config: Any, scratch: np.ndarray, divisor: float, low: np.ndarray | None,
+        stochastic: tuple[int, int] | None, offset: int = 0, context: Any = None,
+    ) -> None:  # fmt: skip
+        """``X *= 1 - lr * weight_decay``, then ``X += scale * U``; the gradient was
+        averaged by :meth:`before`."""
+        tensors: dict[tuple[str, int], _Tensor] = context
+        n = param.shape[0]
+        for t in _overlapping(tensors, param.dtype, offset, offset + n):
+            lo, hi = max(t.offset, offset), min(t.offset + t.size, offset + n)
+            p = param[lo - offset : hi - offset]
+            dt = param.dtype.type
+            if t.config.weight_decay:
+                p *= dt(1.0 - t.config.lr * t.config.weight_decay)
+            p += _u(t, grad[lo - offset : hi - offset], lo) * dt(t.scale)
+        write_low(param, low, stochastic, 0)
+
+
+def _u(t: _Tensor, g: np.ndarray, first: int) -> np.ndarray:
+    """``U = G / sqrt(max(V, eps1^2))`` of elements ``first ...`` of the flat
+    parameters (``g`` the averaged gradient there), a new array."""
+    eps1 = t.config.eps1 if t.config.eps1 is not None else float(np.finfo(g.dtype).eps)
+    floor = g.dtype.type(eps1 * eps1)
+    if t.vector is not None:
+        v = t.vector[first - t.vector_at : first - t.vector_at + g.shape[0]]
+        return g / np.sqrt(np.maximum(v, floor))
+    n, m = t.shape[-2], t.shape[-1]
+    out = np.empty_like(g)
+    for k, i0, i1, j0, j1, at in rects(first - t.offset, first - t.offset + g.shape[0], n, m):
+        mat = t.matrices[k]
+        denom = max(mat.mean, g.dtype.type(eps1))
+        v = np.outer(mat.rows[i0:i1], mat.cols[j0:j1]) / denom
+        size = (i1 - i0) * (j1 - j0)
+        out[at : at + size] = (g[at : at + size].reshape(v.shape)
+                               / np.sqrt(np.maximum(v, floor))).reshape(-1)  # fmt: skip
+    return out
+
+
+class _Stats:
+    """Where each parameter's sums go in the first allreduce's vector: its ``sum(X^2)``
+    and, a matrix's, its rows' and columns' sums of ``G^2``; every parameter of the
+    model in the layout's order, so the same vector on every rank. ``index``: each
+    parameter's place in the second allreduce's (``sum(U^2)``)."""
+
+    def __init__(self, params: Sequence[Any]) -> None:
+        self.rows: dict[tuple[str, int], int] = {}
+        self.cols: dict[tuple[str, int], int] = {}
+        self.sumsq: dict[tuple[str, int], int] = {}
+        self.index: dict[tuple[str, int], int] = {}
+        at = 0
+        for p in params:
+            if p.size == 0:
+                continue
+            key = (np.dtype(p.dtype).name, p.offset)
+            self.index[key] = len(self.index)
+            self.sumsq[key] = at
+            at += 1
+            if len(p.shape) >= 2:
+                n, m = p.shape[-2], p.shape[-1]
+                k = p.size // (n * m)
+                self.rows[key], self.cols[key] = at, at + k * n
+                at += k * (n + m)
+        self.size = at
+
+
+def _tensors(piece: Piece, params: Sequence[Any]) -> dict[tuple[str, int], _Tensor]:
+    """The parameters ``piece`` touches, with views of their states."""
+    rows_state, cols_state, vector_state = piece.states
+    n = piece.param.shape[0]
+    out: dict[tuple[str, int], _Tensor] = {}
+    dtype = piece.param.dtype.name
+    at_rows = at_cols = at_vec = 0
+    for p in params:
+        if p.dtype != piece.param.dtype or p.size == 0:
+            continue
+        if p.offset + p.size <= piece.offset or p.offset >= piece.offset + n:
+            continue
+        config = next(c for start, stop, c in piece.segments
+                      if start <= max(p.offset, piece.offset) - piece.offset < stop)  # fmt: skip
+        lo, hi = max(p.offset, piece.offset), min(p.offset + p.size, piece.offset + n)
+        if len(p.shape) >= 2:
+            rn, rm = p.shape[-2], p.shape[-1]
+            k0, k1 = (lo - p.offset) // (rn * rm), (hi - 1 - p.offset) // (rn * rm) + 1
+            matrices: list[_Matrix | None] = [None] * k0
+            for _ in range(k0, k1):
+                matrices.append(_Matrix(rows_state[at_rows : at_rows + rn],
+                                        cols_state[at_cols : at_cols + rm]))  # fmt: skip
+                at_rows, at_cols = at_rows + rn, at_cols + rm
+            out[(dtype, p.offset)] = _Tensor(p.offset, p.size, tuple(p.shape), config,
+                                             matrices, None, 0, dtype)  # fmt: skip
+        else:
+            vec = vector_state[at_vec : at_vec + hi - lo]
+            at_vec += hi - lo
+            out[(dtype, p.offset)] = _Tensor(p.offset, p.size, tuple(p.shape), config, [],
+                                             vec, lo, dtype)  # fmt: skip
+    return out
+
+
+Tensors = dict[tuple[str, int], _Tensor]
+
+
+def _overlapping(tensors: Tensors, dtype: np.dtype, lo: int, hi: int) -> Iterator[_Tensor]:
+    for t in tensors.values():
+        if t.dtype == dtype.name and t.offset < hi and t.offset + t.size > lo:
+            yield t
+
+
+def _counted(piece: Piece, tensors: Tensors) -> Iterator[tuple[_Tensor, int, int]]:
+    """``(tensor, lo, hi)``: the global elements of each parameter this rank counts."""
+    lo, hi = piece.offset + piece.counted[0], piece.offset + piece.counted[1]
+    for t in _overlapping(tensors, piece.param.dtype, lo, hi):
+        yield t, max(t.offset, lo), min(t.offset + t.size, hi)
+
+
+def _held(piece: Piece, tensors: Tensors) -> Iterator[tuple[_Tensor, int, int]]:
+    """``(tensor, lo, hi)``: the global elements of each parameter in ``piece``."""
+    lo, hi = piece.offset, piece.offset + piece.param.shape[0]
+    for t in _overlapping(tensors, piece.param.dtype, lo, hi):
+        yield t, max(t.offset, lo), min(t.offset + t.size, hi)
+
+
+ADAFACTOR = Adafactor()
