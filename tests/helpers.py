@@ -324,13 +324,16 @@ def train(
     exact_grads: bool = True,
     check_state: Callable[[int], bool] = lambda step: False,
     api: str = "grads",
+    bitwise: bool | None = None,
 ) -> list[str]:
     """``steps`` steps of the optimizer and the reference on the same gradients,
     handed over with ``api``; params compared after every step (stage 3: as the next
     backward pass gathers them, and after the last step), Adam moments where
-    ``check_state(step)`` and after the last step."""
+    ``check_state(step)`` and after the last step. Bit for bit with exact gradients,
+    unless ``bitwise=False`` (then within the dtype's tolerance)."""
     comm = opt.comm
-    exact = exact_grads  # exactly representable sums: bit for bit at every world size
+    # exactly representable sums: bit for bit at every world size
+    exact = exact_grads if bitwise is None else bitwise
     problems = []
     for step in range(steps):
         seen: dict[str, np.ndarray] | None = {} if opt.stage == 3 else None

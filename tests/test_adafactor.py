@@ -67,8 +67,10 @@ def test_matches_reference(
     comm: MPI.Intracomm, mode: str, setting: str, dtype: np.dtype, bucket_elems: int | None
 ) -> None:
     """Four steps: the parameters after every step, the rows', columns' and vectors'
-    states after the first and the last, bit for bit (the exact gradients make the
-    rows' and columns' sums exact; the per-parameter sums of X^2 and U^2 agree here)."""
+    states after the first and the last: bit for bit on one rank; on more, within
+    1e-6 (float32) and 1e-12 (float64) of the largest. The exact gradients make the
+    rows' and columns' sums exact, but the per-parameter sums of X^2 and U^2 are
+    added in another order over ranks (float64 gave 1.7e-16 at W = 2)."""
     stage, api = MODES[mode]
     spec = spec_of(SHAPES, dtype)
     params = make_params(spec)
@@ -76,7 +78,8 @@ def test_matches_reference(
     opt = ZeroOptimizer(params, comm=comm, stage=stage, optimizer="adafactor",
                         **SETTINGS[setting], **extra)  # fmt: skip
     ref = ReferenceAdafactor(params, **SETTINGS[setting])
-    verdict(train(opt, ref, spec, 4, check_state=lambda step: step == 0, api=api))
+    verdict(train(opt, ref, spec, 4, check_state=lambda step: step == 0, api=api,
+                  bitwise=comm.size == 1))  # fmt: skip
     opt.close()
 
 
@@ -89,7 +92,8 @@ def test_mixed_dtypes_and_empty_shards(comm: MPI.Intracomm, stage: int) -> None:
     api = "grads" if stage < 2 else "streamed"
     opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=1, optimizer="adafactor",
                         lr=1e-2)  # fmt: skip
-    verdict(train(opt, ReferenceAdafactor(params, lr=1e-2), spec, 3, api=api))
+    verdict(train(opt, ReferenceAdafactor(params, lr=1e-2), spec, 3, api=api,
+                  bitwise=comm.size == 1))  # fmt: skip
     opt.close()
 
 
@@ -107,7 +111,7 @@ def test_parameter_groups_and_a_schedule(comm: MPI.Intracomm) -> None:
                             param_groups=[{"params": second, **group}])  # fmt: skip
         ref = ReferenceAdafactor(params, lr=1e-2)
         ref.overrides = {n: dict(group) for n in second}
-        problems = train(opt, ref, spec, 2, api=api)
+        problems = train(opt, ref, spec, 2, api=api, bitwise=comm.size == 1)
         opt.set_hyperparameters(group=0, lr=5e-3)
         opt.set_hyperparameters(group=1, lr=2.5e-2)
         ref.lr = 5e-3
@@ -117,7 +121,7 @@ def test_parameter_groups_and_a_schedule(comm: MPI.Intracomm) -> None:
             backward(opt, rank_grads(spec, step, comm.rank), api)
             opt.step()
             ref.step(mean_grads(spec, step, comm.size))
-        problems += mismatches(opt, ref, True, f"stage {stage} after the schedule")
+        problems += mismatches(opt, ref, comm.size == 1, f"stage {stage} after the schedule")
         groups = opt.hyperparameters().get("param_groups", [])
         if not groups or groups[0]["beta2_decay"] != -0.5:
             problems.append(f"groups {groups}")
@@ -160,7 +164,7 @@ def test_checkpoint_at_another_world_size_and_stage(mpi_tmp_path: Path) -> None:
     again = ZeroOptimizer(make_params(spec, seed=3), comm=WORLD, stage=3, bucket_elems=57,
                           optimizer="adafactor", lr=1e-2)  # fmt: skip
     again.load(path)
-    problems += mismatches(again, reference(2, WORLD.size), True, "world, stage 3")
+    problems += mismatches(again, reference(2, WORLD.size), WORLD.size == 1, "world, stage 3")
     again.close()
     for stage in range(4):
         single = ZeroOptimizer(make_params(spec, seed=3), comm=MPI.COMM_SELF, stage=stage,
@@ -171,7 +175,7 @@ def test_checkpoint_at_another_world_size_and_stage(mpi_tmp_path: Path) -> None:
             backward(single, rank_grads(spec, step, 0), "streamed" if stage == 3 else "grads")
             single.step()
             ahead.step(mean_grads(spec, step, 1))
-        problems += mismatches(single, ahead, True, f"single rank, stage {stage}")
+        problems += mismatches(single, ahead, WORLD.size == 1, f"single rank, stage {stage}")
         single.close()
     assert_all(not problems, "\n".join(problems[:8]))
 

@@ -389,6 +389,7 @@ def test_clipping_and_a_nonfinite_skip_wrap_every_rule(comm: MPI.Intracomm) -> N
     ["--optimizer", "lion", "--lr", "1e-4", "--weight-decay", "0.1"],
     ["--optimizer", "adam8bit", "--weight-decay", "0.01", "--adamw"],
     ["--optimizer", "adafactor", "--lr", "1e-2", "--weight-decay", "0.01"],
+    ["--optimizer", "muon", "--lr", "2e-2", "--weight-decay", "0.01"],
 ])  # fmt: skip
 @pytest.mark.parametrize("stage", [1, 3])
 def test_driver_verifies_every_rule(

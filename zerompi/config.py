@@ -105,12 +105,13 @@ class ZeroConfig:
 
     ``stage`` 0 (plain data parallelism) to 3; ``optimizer``, the update rule
     (:mod:`zerompi.rules`: ``"adam"``, ``"sgd"``, ``"lion"``, ``"adam8bit"``,
-    ``"adafactor"``) and its hyperparameters:
+    ``"adafactor"``, ``"muon"``) and its hyperparameters:
     ``lr`` and ``weight_decay`` for every rule (``decoupled_weight_decay=True``: AdamW,
     SGDW; Lion's is always decoupled), ``betas`` (Adam, Lion; ``None``: the rule's
     default, (0.9, 0.999) and (0.9, 0.99)) and ``eps`` (Adam), ``momentum``,
     ``dampening`` and ``nesterov`` (SGD), ``beta2_decay``, ``eps1``, ``eps2`` and
-    ``d`` (Adafactor), a setting of another rule being an error;
+    ``d`` (Adafactor), ``muon_momentum``, ``muon_nesterov``, ``ns_steps`` and
+    ``match_rms`` (Muon), a setting of another rule being an error;
     ``param_groups``
     (torch's list of dicts by parameter name, :mod:`zerompi.settings`); ``max_norm``
     clips the global gradient norm, ``nonfinite`` (``"skip"`` or ``"raise"``) says
@@ -146,6 +147,10 @@ class ZeroConfig:
     eps1: float | None = None
     eps2: float = 1e-3
     d: float = 1.0
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    ns_steps: int = 5
+    match_rms: float = 0.0
 
     def __post_init__(self) -> None:
         for name, policy in (("overlap", OverlapPolicy), ("elastic", ElasticPolicy)):

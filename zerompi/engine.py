@@ -17,7 +17,7 @@ from a lost rank builds a new engine for the survivors and swaps it in.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,7 @@ from .reduction import (
     Split,
 )
 from .rules import Rule
+from .rules.base import World
 from .settings import Segment, adam_segments
 from .timings import Timings
 
@@ -116,6 +117,8 @@ class Engine:
     #: Per run, the run-local elements this rank counts in statistics over all ranks
     #: (its shard; at stage 0, its part of the bucket).
     update_counted: list[tuple[int, int]]
+    #: What a rule that prepares sees of the model and the ranks (None otherwise).
+    world: World | None
     #: Where the rule has per-block states: the end of each update's agreement on the
     #: blocks that parts share (:class:`zerompi.blockwise.Agreement`); else None.
     agreement: Agreement | None
@@ -309,7 +312,9 @@ def build_engine(
     # One kernel call per run of buckets contiguous in memory, unless each bucket's
     # gather must start as soon as its part is updated.
     merge = plan.publish is Publish.NONE or (plan.publish is Publish.NODE and nodes.count == 1)
-    merge = merge and not rule.units  # a state's units follow its bucket's elements
+    # A state's units follow its bucket's elements, and a rule that prepares sees its
+    # pieces at their global offsets: one bucket per run for either.
+    merge = merge and not rule.units and not rule.prepares
     update_runs = runs(parts, ("param", "grad", "states", "low"), merge)
     lows = [a for k in (Kind.PARAMS, Kind.PARAMS_LOW) for a in stores.get(k, {}).values()]
     member = dict(settings.member)
@@ -327,12 +332,16 @@ def build_engine(
         update_offsets=[held(layout, config.stage, run.first)[0] for run in update_runs],
         update_units=[_run_units(rule, layout, config.stage, run) for run in update_runs],
         update_counted=[_counted(layout, config.stage, run) for run in update_runs],
+        world=None,
         agreement=Agreement(comm, layout, rule.block) if rule.block else None,
         stats_runs=StatsRuns(runs(parts, ("stats",), merge=True), len(parts)),
         configs=list(configs if configs is not None else settings.configs), member=member,
         scaler=settings.scaler, timings=timings,
     )  # fmt: skip
     engine.reducer = _reducer(engine, planned, handed_over, params_arrays)
+    if rule.prepares:  # (the configs by parameter follow set_hyperparameters: a view)
+        engine.world = World(layout, config.stage, _ConfigOf(engine), comm.sum_inplace,
+                             comm.exchange)  # fmt: skip
     if elastic:
         assert buddies is not None
         from .mpi.ulfm import Exchange
@@ -503,3 +512,20 @@ def _counted(layout: Layout, stage: int, run: Run) -> tuple[int, int]:
     if run.first != run.last:  # merged buckets: not a rule that counts (it would not merge)
         return 0, 0
     return layout.buckets[run.first].local(layout.rank)
+
+
+class _ConfigOf(Mapping[str, Any]):
+    """Each parameter's group config by name, read from the engine when asked (so a
+    change of ``set_hyperparameters`` shows)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __getitem__(self, name: str) -> Any:
+        return self.engine.configs[self.engine.member[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.engine.member)
+
+    def __len__(self) -> int:
+        return len(self.engine.member)

@@ -328,3 +328,78 @@ class ReferenceAdafactor:
                     out[label][d].append(table[name].reshape(-1))
         return {label: {d: np.concatenate(parts) if parts else np.zeros(0, d)
                         for d, parts in by.items()} for label, by in out.items()}  # fmt: skip
+
+
+class ReferenceMuon:
+    """Muon (Keller Jordan 2024) over a dict of full arrays: the momentum of every
+    matrix (two or more dimensions, seen as ``(shape[0], rest)``) not in ``adamw``
+    orthogonalized by the quintic Newton-Schulz iteration, scaled by
+    ``max(1, rows / cols)^0.5`` (or ``match_rms * sqrt(max(rows, cols))``, Moonlight),
+    ``W = W (1 - lr wd) - lr O``; the other parameters with AdamW
+    (:class:`ReferenceAdam`'s arithmetic, decoupled decay). ``overrides`` per
+    parameter as :class:`ReferenceAdam8bit`'s."""
+
+    def __init__(
+        self, params: Mapping[str, np.ndarray], *, lr: float = 0.02, momentum: float = 0.95,
+        nesterov: bool = True, ns_steps: int = 5, match_rms: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+        weight_decay: float = 0.0, adamw: Iterable[str] = (),
+    ) -> None:  # fmt: skip
+        self.params = {name: np.array(p, copy=True) for name, p in params.items()}
+        self.settings = {"lr": lr, "momentum": momentum, "nesterov": nesterov,
+                         "ns_steps": ns_steps, "match_rms": match_rms, "betas": betas,
+                         "eps": eps, "weight_decay": weight_decay}  # fmt: skip
+        self.adamw = set(adamw)
+        self.overrides: dict[str, dict[str, object]] = {}
+        self.exp_avg = {n: np.zeros_like(p) for n, p in self.params.items()}
+        self.exp_avg_sq = {n: np.zeros_like(p) for n, p in self.params.items()}
+        self.t = 0
+
+    @staticmethod
+    def orthogonalize(u: np.ndarray, steps: int) -> np.ndarray:
+        """The quintic Newton-Schulz iteration (coefficients 3.4445, -4.7750, 2.0315)
+        on ``u / (|u|_F + 1e-7)``, transposed to the wide side."""
+        dt = u.dtype.type
+        a, b, c = dt(3.4445), dt(-4.7750), dt(2.0315)
+        tall = u.shape[0] > u.shape[1]
+        x = u.T if tall else u
+        x = x / (np.linalg.norm(x) + dt(1e-7))
+        for _ in range(steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * (gram @ gram)) @ x
+        return x.T if tall else x
+
+    def step(self, grads: Mapping[str, np.ndarray]) -> None:
+        self.t += 1
+        for name, p in self.params.items():
+            s = {**self.settings, **self.overrides.get(name, {})}
+            dt = p.dtype.type
+            g = np.array(grads[name], p.dtype)
+            if p.ndim >= 2 and name not in self.adamw:
+                m = self.exp_avg[name]
+                m += (g - m) * dt(1.0 - s["momentum"])  # type: ignore[operator]
+                u = g + (m - g) * dt(s["momentum"]) if s["nesterov"] else m.copy()  # type: ignore[arg-type]
+                rows, cols = p.shape[0], p.size // p.shape[0]
+                o = self.orthogonalize(u.reshape(rows, cols), int(s["ns_steps"]))  # type: ignore[call-overload]
+                scale = (s["match_rms"] * max(rows, cols) ** 0.5 if s["match_rms"]  # type: ignore[operator]
+                         else max(1.0, rows / cols) ** 0.5)  # fmt: skip
+                o = o * dt(scale)
+                x = p.copy()
+                if s["weight_decay"]:
+                    x *= dt(1.0 - s["lr"] * s["weight_decay"])  # type: ignore[operator]
+                x += o.reshape(p.shape) * dt(-s["lr"])  # type: ignore[operator]
+                self.params[name] = x
+                continue
+            b1, b2 = s["betas"]  # type: ignore[misc]
+            adam = ReferenceAdam({name: p}, lr=s["lr"], betas=(b1, b2), eps=s["eps"],  # type: ignore[arg-type]
+                                 weight_decay=s["weight_decay"],  # type: ignore[arg-type]
+                                 decoupled_weight_decay=True)  # fmt: skip
+            adam.exp_avg[name], adam.exp_avg_sq[name] = self.exp_avg[name], self.exp_avg_sq[name]
+            adam.t = self.t - 1
+            adam.step({name: g})
+            self.params[name] = adam.params[name]
+            self.exp_avg[name], self.exp_avg_sq[name] = adam.exp_avg[name], adam.exp_avg_sq[name]
+
+    @property
+    def states(self) -> dict[str, dict[str, np.ndarray]]:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

@@ -125,8 +125,7 @@ def update(engine: Engine, divisor: float) -> None:
     context = None
     if rule.prepares:  # (collective) statistics over whole parameters first
         with adam_phase:
-            context = rule.before(pieces(engine, divisor), step_count, engine.layout.params,
-                                  engine.comm.sum_inplace)  # fmt: skip
+            context = rule.before(pieces(engine, divisor), step_count, engine.world)
     for run, base, first, segs, units in zip(engine.update_runs, engine.low_bases,
                                              engine.update_offsets, engine.segments,
                                              engine.update_units, strict=True):  # fmt: skip

@@ -120,7 +120,7 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
     p.add_argument(
         "--optimizer", choices=tuple(RULES), default="adam",
         help="the update rule (zerompi.rules): Adam/AdamW, SGD with momentum, Lion, "
-        "Adam/AdamW with 8-bit states, Adafactor",
+        "Adam/AdamW with 8-bit states, Adafactor, Muon (AdamW for the vectors)",
     )  # fmt: skip
     p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate")
     p.add_argument(

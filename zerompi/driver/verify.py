@@ -33,6 +33,7 @@ from ..reference import (
     ReferenceAdam,
     ReferenceAdam8bit,
     ReferenceLion,
+    ReferenceMuon,
     ReferenceSGD,
     average,
 )
@@ -70,6 +71,8 @@ def reference_optimizer(
                             decoupled_weight_decay=args.adamw)  # fmt: skip
     if args.optimizer == "lion":
         return ReferenceLion(params, lr=args.lr, weight_decay=args.weight_decay)
+    if args.optimizer == "muon":
+        return ReferenceMuon(params, lr=args.lr, weight_decay=args.weight_decay)
     if args.optimizer == "adafactor":
         return ReferenceAdafactor(params, lr=args.lr, weight_decay=args.weight_decay)
     if args.optimizer == "adam8bit":

@@ -396,6 +396,31 @@ class Comm(FileIO, Agreement):
             lambda: self.mpi.Allreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM),
         )  # fmt: skip
 
+    def exchange(
+        self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
+        recv_counts: Sequence[int],
+    ) -> None:  # fmt: skip
+        """Collective: an ``Alltoallv`` of float32 or float64 elements with exact
+        counts: ``send`` holds what goes to each rank in rank order (``send_counts``),
+        ``recv`` receives what each rank sends here, in rank order (``recv_counts``).
+        Counted as data-path traffic ("alltoallv"), recorded in the fingerprint by its
+        total (the counts differ between ranks by design)."""
+        sd = np.zeros(len(send_counts), np.int64)
+        rd = np.zeros(len(recv_counts), np.int64)
+        np.cumsum(send_counts[:-1], out=sd[1:])
+        np.cumsum(recv_counts[:-1], out=rd[1:])
+        mpi_type = _mpi_type(send)
+        self._start(_A2A, -1, 0)
+        self._blocking(
+            "alltoallv", -1,
+            lambda: self.mpi.Alltoallv([send, list(send_counts), sd.tolist(), mpi_type],
+                                       [recv, list(recv_counts), rd.tolist(), mpi_type]),
+        )  # fmt: skip
+        mine = send_counts[self.rank] if self.rank < len(send_counts) else 0
+        size = send.itemsize
+        self._count("alltoallv", (sum(send_counts) - mine) * size,
+                    (sum(recv_counts) - recv_counts[self.rank]) * size)  # fmt: skip
+
     def max_inplace(self, buf: np.ndarray) -> None:
         """Collective: the elementwise maximum of a small array (float32 or float64)
         over ranks, in place on every rank. A control message (the scales of the

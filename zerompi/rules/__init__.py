@@ -21,7 +21,9 @@ The rules, chosen by ``ZeroConfig(optimizer=...)``:
 * ``"adam8bit"``: Adam/AdamW with its moments in 8 bits, blockwise (Dettmers et al.
   2022; :mod:`zerompi.rules.adam8`);
 * ``"adafactor"``: Adafactor's factored second moments, Shazeer & Stern 2018
-  (:mod:`zerompi.rules.adafactor`).
+  (:mod:`zerompi.rules.adafactor`);
+* ``"muon"``: Muon for matrices, AdamW for the rest (Keller Jordan 2024;
+  :mod:`zerompi.rules.muon`).
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from .adam import ADAM
 from .adam8 import ADAM8BIT
 from .base import RULE_FIELDS, Rule, check_fields, write_low
 from .lion import LION
+from .muon import MUON
 from .sgd import SGD_RULE
 
 #: Every rule by name.
-RULES: dict[str, Rule] = {r.name: r for r in (ADAM, SGD_RULE, LION, ADAM8BIT, ADAFACTOR)}
+RULES: dict[str, Rule] = {
+    r.name: r for r in (ADAM, SGD_RULE, LION, ADAM8BIT, ADAFACTOR, MUON)}  # fmt: skip
 
 
 def rule_of(name: Any) -> Rule:

@@ -22,7 +22,7 @@ holds, for every matrix its part touches, all of its rows' and columns' states
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from ..adam import finite_real
 from ..buffers import StateKind
-from .base import Piece, Rule, write_low
+from .base import Piece, Rule, World, write_low
 
 #: Elements a temporary of the update holds at most (rows of a matrix are processed
 #: this many elements at a time).
@@ -118,6 +118,9 @@ class _Tensor:
         return self.dtype, self.offset
 
 
+Tensors = dict[tuple[str, int], _Tensor]
+
+
 class Adafactor(Rule):
     name = "adafactor"
     states = (
@@ -139,15 +142,13 @@ class Adafactor(Rule):
         return (c.lr, c.beta2_decay, -1.0 if c.eps1 is None else c.eps1, c.eps2, c.d,
                 c.weight_decay)  # fmt: skip
 
-    def before(
-        self, pieces: list[Piece], step: int, params: Sequence[Any],
-        reduce: Callable[[np.ndarray], None],
-    ) -> dict[tuple[str, int], _Tensor]:  # fmt: skip
+    def before(self, pieces: list[Piece], step: int, world: World) -> Tensors:
         """The statistics over whole parameters, in two allreduces: the rows' and
         columns' sums of ``G^2`` and ``sum(X^2)``, then ``sum(U^2)``; the rows' and
         columns' states and the vectors' updated on the way. Divides the gradients by
         the divisor in place. Returns the parameters this rank updates by offset."""
-        tensors: dict[tuple[str, int], _Tensor] = {}
+        params, reduce = world.layout.params, world.reduce
+        tensors: Tensors = {}
         for piece in pieces:
             np.divide(piece.grad, piece.divisor, out=piece.grad)
             tensors.update(_tensors(piece, params))
@@ -306,9 +307,6 @@ def _tensors(piece: Piece, params: Sequence[Any]) -> dict[tuple[str, int], _Tens
             out[(dtype, p.offset)] = _Tensor(p.offset, p.size, tuple(p.shape), config, [],
                                              vec, lo, dtype)  # fmt: skip
     return out
-
-
-Tensors = dict[tuple[str, int], _Tensor]
 
 
 def _overlapping(tensors: Tensors, dtype: np.dtype, lo: int, hi: int) -> Iterator[_Tensor]:

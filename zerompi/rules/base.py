@@ -30,6 +30,22 @@ class Piece(NamedTuple):
     divisor: float
 
 
+class World(NamedTuple):
+    """What :meth:`Rule.before` sees beyond its rank's pieces: the layout (its
+    :class:`zerompi.partition.ParamSpec` list ``layout.params``: shapes, offsets in
+    the flat parameters of their dtype; its buckets: every rank's part), the stage,
+    each parameter's group config by name, and two collectives: ``reduce`` sums a
+    small float64 array over the ranks in place; ``exchange(send, send_counts,
+    recv, recv_counts)`` is an ``Alltoallv`` with exact counts (elements, per rank in
+    rank order)."""
+
+    layout: Any
+    stage: int
+    config_of: Mapping[str, Any]
+    reduce: Callable[[np.ndarray], None]
+    exchange: Callable[[np.ndarray, Sequence[int], np.ndarray, Sequence[int]], None]
+
+
 class Rule(ABC):
     """An optimizer's update of a flat shard, element by element."""
 
@@ -81,16 +97,12 @@ class Rule(ABC):
         handed to :meth:`finish` at the end of the step's update. ``context``: what
         :meth:`before` returned this step (rules that :attr:`prepares`)."""
 
-    def before(
-        self, pieces: list[Piece], step: int, params: Sequence[Any],
-        reduce: Callable[[np.ndarray], None],
-    ) -> Any:  # fmt: skip
+    def before(self, pieces: list[Piece], step: int, world: World) -> Any:
         """Collective, before the update of a step, for a rule that :attr:`prepares`:
         ``pieces`` are what this rank updates (:class:`Piece`, one per bucket),
-        ``params`` the layout's :class:`zerompi.partition.ParamSpec` (shapes, offsets
-        in the flat parameters of their dtype), ``reduce`` sums a float64 array over
-        the ranks in place. Returns the context every :meth:`update` call gets. It
-        may divide the gradients by the divisor in place (and then say so to
+        ``world`` the model's layout and the collectives a rule may use
+        (:class:`World`). Returns the context every :meth:`update` call gets. It may
+        divide the gradients by the divisor in place (and then say so to
         :meth:`update` in the context)."""
         return None
 
@@ -168,7 +180,8 @@ class Rule(ABC):
 #: ``ZeroConfig`` fields that belong to one rule or another.
 RULE_FIELDS: dict[str, Any] = {
     "betas": None, "eps": 1e-8, "momentum": 0.0, "dampening": 0.0, "nesterov": False,
-    "beta2_decay": -0.8, "eps1": None, "eps2": 1e-3, "d": 1.0}  # fmt: skip
+    "beta2_decay": -0.8, "eps1": None, "eps2": 1e-3, "d": 1.0, "muon_momentum": 0.95,
+    "muon_nesterov": True, "ns_steps": 5, "match_rms": 0.0}  # fmt: skip
 
 
 def blocks(n: int, size: int) -> Iterator[tuple[int, int]]:
