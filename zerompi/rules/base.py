@@ -132,9 +132,10 @@ class Rule(ABC):
                 raise ValueError(
                     f"optimizer={self.name!r} runs on {', '.join(self.dtypes)} parameters "
                     f"only; this model has {', '.join(bad)} ones")  # fmt: skip
-        if elastic and self.units:
+        if elastic and (self.units or self.prepares):
             raise ValueError(f"optimizer={self.name!r} cannot be elastic yet: its states "
-                             "held per block or matrix are not in the snapshots (use "
+                             "held per block or matrix, or its statistics over whole "
+                             "parameters, are not in the snapshots' recovery (use "
                              "elastic=False)")  # fmt: skip
 
     def group(self, base: Any, entry: Mapping[str, Any], where: str) -> Any:
