@@ -407,3 +407,36 @@ def raises(
     except Exception as exc:
         return exc, [f"{what}: expected {exc_type.__name__}, got {type(exc).__name__}: {exc}"]
     return None, [f"{what}: expected {exc_type.__name__}, nothing was raised"]
+
+
+def shared_path(directory: Any, comm: MPI.Intracomm, name: str) -> str:
+    """A file name in ``directory`` (pytest-mpi's ``mpi_tmp_path``) that every rank of
+    ``comm`` agrees on, unique per communicator of the ``comm`` fixture."""
+    root = comm.bcast(WORLD.rank, root=0)
+    return str(directory / f"{name}-w{comm.Get_size()}-r{root}.ckpt")
+
+
+def estimate_problems(
+    comm: MPI.Intracomm, layout: list[tuple[str, tuple[int, ...], Any]], optimizer: str,
+    buckets: Iterable[int],
+) -> list[str]:  # fmt: skip
+    """Collective: for every stage and ``buckets``, where ``zerompi.memory.estimate``
+    and the optimizer of ``layout`` (zeros) disagree on any buffer or category."""
+    from zerompi.memory import estimate
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    problems = []
+    for stage in range(4):
+        for bucket_elems in buckets:
+            params = {n: np.zeros(s, d) for n, s, d in layout}
+            opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems,
+                                optimizer=optimizer)  # fmt: skip
+            est = estimate(layout, size, rank, stage, bucket_elems, optimizer=optimizer,
+                           ranks_per_node=max(map(len, opt.nodes.members)))  # fmt: skip
+            if list(est["buffers"].items()) != list(opt.memory_buffers().items()):
+                problems.append(f"{optimizer} stage {stage} bucket {bucket_elems}: "
+                                f"{est['buffers']} != {opt.memory_buffers()}")  # fmt: skip
+            if est["usage"] != opt.memory_usage():
+                problems.append(f"{optimizer} stage {stage}: usage differs")
+            opt.close()
+    return problems

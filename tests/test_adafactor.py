@@ -20,11 +20,13 @@ from helpers import (
     assert_all,
     assert_raises_all,
     backward,
+    estimate_problems,
     make_params,
     mean_grads,
     mismatches,
     paired_cases,
     rank_grads,
+    shared_path,
     spec_of,
     train,
     verdict,
@@ -129,18 +131,13 @@ def test_parameter_groups_and_a_schedule(comm: MPI.Intracomm) -> None:
         verdict(problems)
 
 
-def _shared_path(directory: Path, comm: MPI.Intracomm, name: str) -> str:
-    root = comm.bcast(WORLD.rank, root=0)
-    return str(directory / f"{name}-w{comm.Get_size()}-r{root}.ckpt")
-
-
 def test_checkpoint_at_another_world_size_and_stage(mpi_tmp_path: Path) -> None:
     """Saved by the world at stage 2, read with numpy (the rows', columns' and
     vectors' sections), loaded by the world at stage 3 and by one rank at every stage
     and trained on: as the reference trained without the checkpoint."""
     spec = spec_of(SHAPES, F32)
     params = make_params(spec)
-    path = _shared_path(mpi_tmp_path, WORLD, "adafactor")
+    path = shared_path(mpi_tmp_path, WORLD, "adafactor")
     opt = ZeroOptimizer(params, comm=WORLD, stage=2, bucket_elems=100, optimizer="adafactor",
                         lr=1e-2)  # fmt: skip
     for step in range(2):
@@ -187,21 +184,7 @@ LAYOUT = [("a", (37, 19), F32), ("b", (5,), F32), ("c", (3, 7, 11), F32), ("d", 
 def test_estimate_equals_the_optimizer(comm: MPI.Intracomm) -> None:
     """Every buffer, every stage, to the byte: the rows and columns of every matrix a
     part touches, the vectors' elements."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    problems = []
-    for stage in range(4):
-        for bucket_elems in (1, 100, 300):
-            params = {n: np.zeros(s, d) for n, s, d in LAYOUT}
-            opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems,
-                                optimizer="adafactor")  # fmt: skip
-            est = estimate(LAYOUT, size, rank, stage, bucket_elems, optimizer="adafactor",
-                           ranks_per_node=max(map(len, opt.nodes.members)))  # fmt: skip
-            if list(est["buffers"].items()) != list(opt.memory_buffers().items()):
-                problems.append(f"stage {stage} bucket {bucket_elems}: "
-                                f"{est['buffers']} != {opt.memory_buffers()}")  # fmt: skip
-            if est["usage"] != opt.memory_usage():
-                problems.append(f"stage {stage}: usage differs")
-            opt.close()
+    problems = estimate_problems(comm, LAYOUT, "adafactor", (1, 100, 300))
     assert_all(not problems, "\n".join(problems[:6]))
 
 
@@ -226,3 +209,22 @@ def test_settings_of_another_rule_and_elastic_are_refused(comm: MPI.Intracomm) -
     assert_raises_all(ValueError, "optimizer='adafactor' cannot be elastic",
                       lambda: ZeroOptimizer(params, comm=comm, optimizer="adafactor",
                                             elastic=True))  # fmt: skip
+
+
+def test_the_most_loaded_rank_is_found_for_states_held_per_matrix() -> None:
+    """``estimate_max`` (what ``python -m zerompi.memory`` and the driver's per-category
+    maximum compare): with rows and columns a rank with a smaller shard can hold more
+    state (it touches more matrices), so each figure is the maximum over every rank."""
+    from zerompi.memory import estimate_max
+
+    # One bucket: a big matrix, then many small ones. Rank 0's larger shard touches
+    # the big one only (200 rows and columns), the last rank's many small ones.
+    specs = [("big", (100, 100), F32)] + [(f"l{i}.w", (10, 10), F32) for i in range(30)]
+    for stage in (1, 2):
+        for world in (2, 3, 5):
+            most = estimate_max(specs, world, stage, 10**6, optimizer="adafactor")
+            each = [estimate(specs, world, r, stage, 10**6, optimizer="adafactor")
+                    for r in range(world)]  # fmt: skip
+            assert each[-1]["usage"]["optimizer_states"] > each[0]["usage"]["optimizer_states"]
+            for category, value in most["usage"].items():
+                assert value == max(e["usage"][category] for e in each), (stage, world, category)

@@ -20,11 +20,13 @@ from helpers import (
     assert_all,
     assert_raises_all,
     backward,
+    estimate_problems,
     make_params,
     mean_grads,
     mismatches,
     paired_cases,
     rank_grads,
+    shared_path,
     spec_of,
     train,
     verdict,
@@ -82,11 +84,6 @@ def test_matches_reference(
     opt.close()
 
 
-def _shared_path(directory: Path, comm: MPI.Intracomm, name: str) -> str:
-    root = comm.bcast(WORLD.rank, root=0)
-    return str(directory / f"{name}-w{comm.Get_size()}-r{root}.ckpt")
-
-
 def test_checkpoint_at_another_world_size_and_stage(mpi_tmp_path: Path) -> None:
     """Saved by the world at stage 2 (shards and buckets cutting blocks), read with
     numpy (codes as uint8 per parameter, scales per block), loaded by the world at
@@ -96,7 +93,7 @@ def test_checkpoint_at_another_world_size_and_stage(mpi_tmp_path: Path) -> None:
     spec = spec_of(SHAPES, F32)
     params = make_params(spec)
     setting = SETTINGS["adamw"]
-    path = _shared_path(mpi_tmp_path, WORLD, "adam8")
+    path = shared_path(mpi_tmp_path, WORLD, "adam8")
     opt = ZeroOptimizer(params, comm=WORLD, stage=2, bucket_elems=100, optimizer="adam8bit",
                         **setting)  # fmt: skip
     for step in range(2):
@@ -156,21 +153,7 @@ LAYOUT = [("a", (37, 19), F32), ("b", (5,), F32), ("c", (300,), F32), ("d", (), 
 def test_estimate_equals_the_optimizer(comm: MPI.Intracomm) -> None:
     """Every buffer, every stage, to the byte: the codes, and the scales of every
     block each part touches (a block cut by a part boundary counted by each)."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    problems = []
-    for stage in range(4):
-        for bucket_elems in (1, 100, 300):
-            params = {n: np.zeros(s, d) for n, s, d in LAYOUT}
-            opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems,
-                                optimizer="adam8bit")  # fmt: skip
-            est = estimate(LAYOUT, size, rank, stage, bucket_elems, optimizer="adam8bit",
-                           ranks_per_node=max(map(len, opt.nodes.members)))  # fmt: skip
-            if list(est["buffers"].items()) != list(opt.memory_buffers().items()):
-                problems.append(f"stage {stage} bucket {bucket_elems}: "
-                                f"{est['buffers']} != {opt.memory_buffers()}")  # fmt: skip
-            if est["usage"] != opt.memory_usage():
-                problems.append(f"stage {stage}: usage differs")
-            opt.close()
+    problems = estimate_problems(comm, LAYOUT, "adam8bit", (1, 100, 300))
     assert_all(not problems, "\n".join(problems[:6]))
 
 

@@ -21,11 +21,13 @@ from helpers import (
     assert_all,
     assert_raises_all,
     backward,
+    estimate_problems,
     make_params,
     mean_grads,
     mismatches,
     paired_cases,
     rank_grads,
+    shared_path,
     spec_of,
     train,
     verdict,
@@ -33,7 +35,6 @@ from helpers import (
 from mpi4py import MPI
 
 from zerompi import ZeroOptimizer
-from zerompi.memory import estimate
 from zerompi.partition import ParamSpec
 from zerompi.reference import ReferenceMuon
 from zerompi.rules.muon import owners
@@ -139,17 +140,12 @@ def test_owners_balance_the_newton_schulz_work() -> None:
     assert owners(mats, 1) == dict.fromkeys(got, 0)
 
 
-def _shared_path(directory: Path, comm: MPI.Intracomm, name: str) -> str:
-    root = comm.bcast(WORLD.rank, root=0)
-    return str(directory / f"{name}-w{comm.Get_size()}-r{root}.ckpt")
-
-
 def test_checkpoint_at_another_world_size(mpi_tmp_path: Path) -> None:
     """Saved by the world at stage 3, loaded by one rank at stage 1 and trained on:
     as the reference trained without the checkpoint."""
     spec = spec_of(SHAPES, F32)
     params = make_params(spec)
-    path = _shared_path(mpi_tmp_path, WORLD, "muon")
+    path = shared_path(mpi_tmp_path, WORLD, "muon")
     opt = ZeroOptimizer(params, comm=WORLD, stage=3, bucket_elems=100, optimizer="muon",
                         lr=2e-2)  # fmt: skip
     for step in range(2):
@@ -174,16 +170,7 @@ def test_checkpoint_at_another_world_size(mpi_tmp_path: Path) -> None:
 
 def test_estimate_equals_the_optimizer(comm: MPI.Intracomm) -> None:
     layout = [("a", (37, 19), F32), ("b", (5,), F32), ("c", (3, 7, 11), F64)]
-    size, rank = comm.Get_size(), comm.Get_rank()
-    problems = []
-    for stage in range(4):
-        params = {n: np.zeros(s, d) for n, s, d in layout}
-        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=100, optimizer="muon")
-        est = estimate(layout, size, rank, stage, 100, optimizer="muon",
-                       ranks_per_node=max(map(len, opt.nodes.members)))  # fmt: skip
-        if list(est["buffers"].items()) != list(opt.memory_buffers().items()):
-            problems.append(f"stage {stage}: {est['buffers']} != {opt.memory_buffers()}")
-        opt.close()
+    problems = estimate_problems(comm, layout, "muon", (100,))
     assert_all(not problems, "\n".join(problems[:6]))
 
 

@@ -24,11 +24,13 @@ from helpers import (
     assert_all,
     assert_raises_all,
     backward,
+    estimate_problems,
     make_params,
     mean_grads,
     mismatches,
     paired_cases,
     rank_grads,
+    shared_path,
     spec_of,
     train,
     verdict,
@@ -176,11 +178,6 @@ def test_averaging_reaches_the_update(comm: MPI.Intracomm) -> None:
     assert_all(bool(np.array_equal(got, want)), f"{got} != {want}")
 
 
-def _shared_path(directory: Path, comm: MPI.Intracomm, name: str) -> str:
-    root = comm.bcast(WORLD.rank, root=0)
-    return str(directory / f"{name}-w{comm.Get_size()}-r{root}.ckpt")
-
-
 def test_checkpoints_at_another_world_size_and_stage(mpi_tmp_path: Path) -> None:
     """SGD saved by the world at stage 2, loaded at every stage by a single rank and
     trained on: the same parameters and momentum as training on without the
@@ -189,7 +186,7 @@ def test_checkpoints_at_another_world_size_and_stage(mpi_tmp_path: Path) -> None
     spec = spec_of(SHAPES, F32)
     params = make_params(spec)
     keywords = RULES["sgd-momentum-l2"]
-    path = _shared_path(mpi_tmp_path, WORLD, "sgd")
+    path = shared_path(mpi_tmp_path, WORLD, "sgd")
     opt = ZeroOptimizer(params, comm=WORLD, stage=2, bucket_elems=5, **keywords)
     for step in range(2):
         backward(opt, rank_grads(spec, step, WORLD.rank), "streamed")
@@ -233,21 +230,7 @@ LAYOUT = [("a", (7, 5), F32), ("b", (5,), F32), ("c", (3,), F64), ("d", (), F64)
 def test_estimate_equals_the_optimizer(comm: MPI.Intracomm, rule: str) -> None:
     """Every buffer of every rule, every stage, to the byte; Lion's update needs two
     scratch blocks."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    problems = []
-    for stage in range(4):
-        for bucket_elems in (1, 6, 64):
-            params = {n: np.zeros(s, d) for n, s, d in LAYOUT}
-            opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems,
-                                optimizer=rule)  # fmt: skip
-            est = estimate(LAYOUT, size, rank, stage, bucket_elems, optimizer=rule,
-                           ranks_per_node=max(map(len, opt.nodes.members)))  # fmt: skip
-            if list(est["buffers"].items()) != list(opt.memory_buffers().items()):
-                problems.append(f"{rule} stage {stage} bucket {bucket_elems}: "
-                                f"{est['buffers']} != {opt.memory_buffers()}")  # fmt: skip
-            if est["usage"] != opt.memory_usage():
-                problems.append(f"{rule} stage {stage}: usage differs")
-            opt.close()
+    problems = estimate_problems(comm, LAYOUT, rule, (1, 6, 64))
     assert_all(not problems, "\n".join(problems[:6]))
 
 

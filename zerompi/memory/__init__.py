@@ -322,13 +322,19 @@ def estimate_max(
     With ``elastic``, a rank also holds its *source's* snapshot twice (the rank before
     it, or the rank with its local index on the node before): the most is then held by
     rank 1 or by rank L (``ranks_per_node``), whose source is rank 0; every figure is
-    the maximum over ranks 0, 1 and L.
+    the maximum over ranks 0, 1 and L. With an update rule whose states are held per
+    block or matrix (8-bit Adam's scales, Adafactor's rows and columns), each figure is
+    the maximum over every rank (a rank with a smaller shard may touch more units).
     """
     first = estimate(specs, world_size, 0, stage, bucket_elems, group_of, **options)
-    if not options.get("elastic"):
-        return first
-    per_node = options.get("ranks_per_node") or world_size
-    for rank in sorted({1, per_node} - {0}):
+    others: set[int] = set()
+    if options.get("elastic"):
+        others |= {1, options.get("ranks_per_node") or world_size}
+    if rule_of(options.get("optimizer", "adam")).units:
+        # A state held per block or matrix has an entry for every unit a rank's part
+        # touches: a rank with a smaller shard may touch more of them. Every rank.
+        others |= set(range(world_size))
+    for rank in sorted(others - {0}):
         if rank < world_size:
             other = estimate(specs, world_size, rank, stage, bucket_elems, group_of, **options)
             for key in ("usage", "buffers"):
