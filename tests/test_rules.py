@@ -258,7 +258,17 @@ def test_snapshot_pieces_follow_the_rule() -> None:
     assert snapshot_bytes(old, 0, rule_of("sgd").states) < snapshot_bytes(old, 0, ADAM_STATES)
 
 
-@pytest.mark.parametrize("rule", ["sgd-nesterov-decoupled", "lion-decay-betas"])
+#: The rules that hold states per block or matrix, or prepare with statistics over
+#: whole parameters (their references and most tests are in their own test files).
+MORE: dict[str, dict[str, Any]] = {
+    "adam8bit": {"optimizer": "adam8bit", "lr": 1e-2, "weight_decay": 0.1,
+                 "decoupled_weight_decay": True},
+    "adafactor": {"optimizer": "adafactor", "lr": 1e-2, "weight_decay": 0.1},
+    "muon": {"optimizer": "muon", "lr": 2e-2, "weight_decay": 0.1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", ["sgd-nesterov-decoupled", "lion-decay-betas", *MORE])
 def test_bfloat16_copy_is_the_rounded_master_at_every_stage(comm: MPI.Intracomm, rule: str) -> None:
     """``param_dtype=bfloat16``: every stage ends with the same float32 master, and
     the copy the model reads is that master rounded to nearest even."""
@@ -270,7 +280,7 @@ def test_bfloat16_copy_is_the_rounded_master_at_every_stage(comm: MPI.Intracomm,
     for stage in range(4):
         api = "grads" if stage < 2 else "streamed"
         opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=5,
-                            param_dtype="bfloat16", **RULES[rule])  # fmt: skip
+                            param_dtype="bfloat16", **{**RULES, **MORE}[rule])  # fmt: skip
         for step in range(3):
             grads = {n: g.astype(opt.params[n].dtype) if stage < 3 else g
                      for n, g in rank_grads(spec, step, comm.rank).items()}  # fmt: skip
@@ -365,6 +375,32 @@ def test_clipping_and_a_nonfinite_skip_wrap_every_rule(comm: MPI.Intracomm) -> N
         if not (np.array_equal(before[n], after[n]) and np.array_equal(state[n], state_after[n])):
             problems.append(f"{n!r} changed in a skipped step")
     assert_all(not problems, "\n".join(problems[:6]))
+
+
+@pytest.mark.parametrize("rule", list(MORE))
+def test_a_nonfinite_gradient_skips_the_step_states_untouched(
+    comm: MPI.Intracomm, rule: str
+) -> None:
+    """A NaN in one rank's gradient: the step is skipped on every rank (before a rule
+    that prepares sees it), parameters and every state as they were."""
+    spec = spec_of(SHAPES, F32)
+    params = make_params(spec)
+    opt = ZeroOptimizer(params, comm=comm, stage=2, bucket_elems=5, **MORE[rule])
+    backward(opt, rank_grads(spec, 0, comm.rank), "streamed")
+    opt.step()
+    before, state = opt.full_params(), opt.gather_state()
+    bad = {n: g.copy() for n, g in rank_grads(spec, 1, comm.rank).items()}
+    if comm.rank == comm.size - 1:
+        bad["l1.w"][2, 3] = np.nan
+    backward(opt, bad, "streamed")
+    opt.step()
+    after, state_after = opt.full_params(), opt.gather_state()
+    problems = [] if opt.skipped_steps == 1 and opt.step_count == 1 else ["not skipped"]
+    problems += [n for n in params if not np.array_equal(before[n], after[n])]
+    problems += [f"{k}[{n}]" for k, v in state.items() for n in v
+                 if not np.array_equal(v[n], state_after[k][n])]  # fmt: skip
+    opt.close()
+    assert_all(not problems, f"changed in a skipped step: {problems[:6]}")
 
 
 @pytest.mark.parametrize("argv", [
