@@ -119,3 +119,20 @@ def test_the_example_trains(tmp_path: Path) -> None:
     assert result["ranks"] == 2 and result["steps"] == 4, result
     assert 0 < result["eval_loss"] < 10, result  # evaluate() ran at stage 3 on both ranks
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "adamw_8bit"])
+def test_optim_8bit_adamw_is_zerompis_8bit_adam(optim: str, tmp_path: Path) -> None:
+    """bitsandbytes' 8-bit AdamW is mapped to ``optimizer="adam8bit"`` with exactly
+    AdamW's settings (betas, eps, weight decay, decoupled, clipping)."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from zerompi.hf import adamw_settings, optimizer_settings
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), optim=optim, use_cpu=True, learning_rate=3e-4,
+        adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-7, weight_decay=0.05,
+        max_grad_norm=0.5)  # fmt: skip
+    got = optimizer_settings(args)
+    assert got == {**adamw_settings(args), "optimizer": "adam8bit"}, got
+    assert got["betas"] == (0.8, 0.9) and got["max_norm"] == 0.5, got

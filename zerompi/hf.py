@@ -61,8 +61,10 @@ ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 #: Every ``TrainingArguments.optim`` zerompi steps, and its rule: HF's ``"sgd"`` is
 #: torch's SGD (``optim_args``: momentum, dampening, weight_decay, nesterov), its
 #: ``"lion_32bit"`` bitsandbytes' Lion (betas from ``adam_beta1/2``), which zerompi
-#: runs itself (bitsandbytes is not needed).
-OPTIMS = {**dict.fromkeys(ADAMW_OPTIMS, "adam"), "sgd": "sgd", "lion_32bit": "lion"}
+#: runs itself (bitsandbytes is not needed); ``"adamw_bnb_8bit"`` / ``"adamw_8bit"``
+#: bitsandbytes' 8-bit AdamW, for which zerompi runs its own 8-bit states.
+OPTIMS = {**dict.fromkeys(ADAMW_OPTIMS, "adam"), "sgd": "sgd", "lion_32bit": "lion",
+          "adamw_bnb_8bit": "adam8bit", "adamw_8bit": "adam8bit"}  # fmt: skip
 #: What accelerate reads to decide that this process is one of several.
 LAUNCHER_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "PMI_SIZE",
                       "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # fmt: skip
@@ -213,10 +215,11 @@ def optimizer_settings(args: TrainingArguments) -> dict[str, Any]:
     (:func:`adamw_settings`); ``"sgd"``: torch's SGD with ``optim_args``' momentum,
     dampening and nesterov (its weight decay an L2 term; the decay groups' values
     are ``args.weight_decay`` and 0, as HF's groups, which override ``optim_args``');
-    ``"lion_32bit"``: Lion with betas ``(adam_beta1, adam_beta2)``, decoupled decay."""
+    ``"lion_32bit"``: Lion with betas ``(adam_beta1, adam_beta2)``, decoupled decay;
+    ``"adamw_bnb_8bit"``/``"adamw_8bit"``: AdamW's settings with 8-bit states."""
     rule = OPTIMS[_optim(args)]
-    if rule == "adam":
-        return adamw_settings(args)
+    if rule in ("adam", "adam8bit"):
+        return {**adamw_settings(args), "optimizer": rule}
     common = {"optimizer": rule, "lr": args.learning_rate, "weight_decay": args.weight_decay,
               "max_norm": _max_norm(args)}  # fmt: skip
     if rule == "lion":
