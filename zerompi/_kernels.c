@@ -322,12 +322,13 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
 
 /* 8-bit Adam (zerompi.quant.adam8_step): whole blocks of `block` elements, each
  * decoded (zerompi.quant.Format: E4M3 with a sign bit for m, E5M3 for v; times the
- * block's scale), stepped with ADAM_LOOP's arithmetic in its order (bit for bit the
- * numpy path's), its new largest magnitudes the new scales, and encoded again: the
- * nearest code of |x| * (1 / scale), ties to even, computed from the float's bits
- * (a rounding of the mantissa to three bits below the smallest normal's spacing by
- * adding and subtracting 2^23). Branch-free inner loops without tables, so each
- * variant's compiler vectorizes them. */
+ * block's scale), stepped with zerompi.quant.adam8_math's arithmetic in its order
+ * (Kingma & Ba's efficient form; bit for bit the numpy path's), its new largest
+ * magnitudes the new scales, and encoded again: the nearest code of |x| * (1 / scale),
+ * ties to even, computed from the float's bits (the mantissa rounded to three bits;
+ * below the smallest normal, x * 2^sub rounded by adding and subtracting 2^23).
+ * Branch-free inner loops without tables, so each variant's compiler vectorizes them.
+ * The formats' constants are zerompi.quant.SIGNED's and UNSIGNED's. */
 static inline uint32_t pick8(int c, uint32_t x, uint32_t y)
 { /* c ? x : y with masks: the compilers if-convert this (not a ternary over floats) */
     const uint32_t m = -(uint32_t)(c != 0);

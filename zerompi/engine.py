@@ -108,7 +108,8 @@ class Engine:
     low_bases: list[int]
     segments: list[list[Segment]]
     #: Per run, the global element (in its dtype's flat parameters) of its first
-    #: element (what a rule with per-block states reads: its runs are one bucket each).
+    #: element (what a rule with states per unit, or that prepares, reads: its runs
+    #: are one bucket each).
     update_offsets: list[int]
     #: Per run, per state of the rule: for a state held per unit, its units over the
     #: run's dtype and the run's first entry (:func:`zerompi.blockwise.in_run`); else
@@ -483,7 +484,6 @@ def _reducer(
         handed_over, make_full if plan.full_grads_on_demand else None,
         nodes.node.fence if ends else None,
     )  # fmt: skip
-
 
 
 def _run_units(rule: Rule, layout: Layout, stage: int, run: Run) -> list[tuple[Spans, int] | None]:

@@ -452,7 +452,7 @@ def state_views(
     """``(section, first global element, this rank's shard)`` of every bucket of every
     kind of state (:func:`state_kinds`) with one entry per element, in one fixed
     order: writable views of the buffers (what checkpoints write and read, and elastic
-    snapshots send). The states with one entry per block: :func:`unit_views`."""
+    snapshots send). The states held per unit: :func:`unit_views`."""
     flat = masters(stores)
     out = []
     for kind in state_kinds(states):

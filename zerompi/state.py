@@ -42,15 +42,15 @@ def gather_state(engine: Engine) -> dict[str, dict[str, np.ndarray]]:
     ``exp_avg`` and ``exp_avg_sq``) of every parameter on every rank. Allocates
     full-size arrays: for checks and export, not for the training loop."""
     kinds = {kind.label: kind for kind in engine.rule.states if not kind.units}
-    blocks: dict[str, Any] = {kind.label: gather_units(engine, kind)
-                              for kind in engine.rule.states if kind.units}  # fmt: skip
+    units: dict[str, Any] = {kind.label: gather_units(engine, kind)
+                             for kind in engine.rule.states if kind.units}  # fmt: skip
     if engine.stage == 0:
         engine.comm.barrier()
         return {
             key: {n: engine.names.view(engine.stores[kind], n).copy() for n in engine.order}
             for key, kind in kinds.items()
-        } | blocks
-    return {key: gather_full(engine, engine.stores[kind]) for key, kind in kinds.items()} | blocks
+        } | units
+    return {key: gather_full(engine, engine.stores[kind]) for key, kind in kinds.items()} | units
 
 
 def gather_units(engine: Engine, kind: StateKind) -> dict[str, np.ndarray]:
@@ -125,7 +125,7 @@ def section_layouts(engine: Engine) -> dict[str, dict[str, Any]]:
 
 
 def unit_shards(engine: Engine) -> list[tuple[str, Entry]]:
-    """``(section, entry)`` of every bucket of every state with one entry per block
+    """``(section, entry)`` of every bucket of every state held per unit
     (:func:`zerompi.plan.unit_views`), after :func:`state_shards`' in file order."""
     return unit_views(engine.plan, engine.layout, engine.stores, engine.rule.states)
 
@@ -149,8 +149,8 @@ def publish_state(engine: Engine) -> None:
         buckets = engine.layout.buckets
         for index, (bucket, part) in enumerate(zip(buckets, engine.parts, strict=True)):
             whole = slice(bucket.start, bucket.stop)
-            if stage == 0:  # everything everywhere, the master included (a rank reads
-                # every block of a block state it holds)
+            if stage == 0:  # everything everywhere, the master included (a state held
+                # per unit: a load read every unit of the bucket)
                 for store in (flat, *(engine.stores[k] for k in engine.rule.states
                                       if not k.units)):  # fmt: skip
                     comm.allgatherv_inplace(

@@ -154,15 +154,14 @@ def update(engine: Engine, divisor: float) -> None:
 def pieces(engine: Engine, divisor: float) -> list[Piece]:
     """What this rank updates, run by run (one bucket each for a rule that prepares:
     its states are held per unit), for :meth:`zerompi.rules.Rule.before`."""
-    configs = engine.configs
-    return [
-        Piece(param, grad, states, first, counted,
-              [(start, stop, configs[group]) for start, stop, group in segs], divisor)
-        for (param, grad, *states, _), first, counted, segs in (
-            (run.arrays, first, counted, segs) for run, first, counted, segs in zip(
-                engine.update_runs, engine.update_offsets, engine.update_counted,
-                engine.segments, strict=True))
-    ]  # fmt: skip
+    out = []
+    for run, first, counted, segs in zip(engine.update_runs, engine.update_offsets,
+                                         engine.update_counted, engine.segments,
+                                         strict=True):  # fmt: skip
+        param, grad, *states, _ = run.arrays
+        configs = [(start, stop, engine.configs[group]) for start, stop, group in segs]
+        out.append(Piece(param, grad, states, first, counted, configs, divisor))
+    return out
 
 
 def end_step(engine: Engine) -> None:

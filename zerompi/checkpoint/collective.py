@@ -77,10 +77,13 @@ def _checksums(comm: Any, names: list[str], parts: Shards) -> dict[str, tuple[in
     return {n: (int(sums[2 * i]), int(sums[2 * i + 1])) for i, n in enumerate(names)}
 
 
-def _owned(blocks: list[tuple[str, Entry]]) -> Shards:
-    """The block states' entries this rank writes, as shards: ``(section, first
-    block, entries)``."""
-    return [(name, e.first + e.own.start, e.held[e.own]) for name, e in blocks]
+def _owned(units: list[tuple[str, Entry]], held: list[np.ndarray] | None = None) -> Shards:
+    """The entries of the states held per unit that this rank writes and checksums, as
+    shards ``(section, first entry, entries)``: of ``held`` (one array shaped as each
+    entry's, a load's scratch) or of the entries themselves."""
+    arrays = held if held is not None else [e.held for _, e in units]
+    return [(name, e.first + e.own.start, a[e.own])
+            for (name, e), a in zip(units, arrays, strict=True)]  # fmt: skip
 
 
 def _optimizer_entry(engine: Engine) -> dict[str, Any]:
@@ -99,8 +102,8 @@ def _save(engine: Engine, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     names = state.state_sections(engine)
     parts = state.state_shards(engine)
-    blocks = state.unit_shards(engine)
-    sums = _checksums(comm, names, parts + _owned(blocks))
+    units = state.unit_shards(engine)
+    sums = _checksums(comm, names, parts + _owned(units))
     token = comm.allgather(f"{os.getpid()}-{secrets.token_hex(6)}" if comm.rank == 0 else None)[0]
     tmp = f"{path}.tmp-{token}"
     verdict = comm.verdict()
@@ -124,7 +127,7 @@ def _save(engine: Engine, path: str | os.PathLike) -> None:
     try:
         with verdict.catch():
             comm.set_file_size(fh, 0)
-        for name, first, shard in parts + _owned(blocks):
+        for name, first, shard in parts + _owned(units):
             itemsize = shard.dtype.itemsize
             data = shard if verdict.ok else shard[:0]  # keep the collective sequence
             with verdict.catch():
@@ -230,8 +233,8 @@ def _load(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
     sections = sections_by_name(header)
     names = state.state_sections(engine)
     targets = state.state_shards(engine)
-    blocks = state.unit_shards(engine)
-    targets += [(name, e.first, e.held) for name, e in blocks]  # (each block it holds)
+    units = state.unit_shards(engine)
+    targets += [(name, e.first, e.held) for name, e in units]  # (every unit it touches)
     # Read this rank's shards into scratch copies: nothing is touched until every
     # checksum has been verified.
     scratch = [(name, first, np.empty_like(shard)) for name, first, shard in targets]
@@ -247,10 +250,9 @@ def _load(engine: Engine, path: str | os.PathLike) -> dict[str, Any]:
     finally:
         comm.close_file(fh)
     verdict.agree()
-    own = len(scratch) - len(blocks)  # the block states' entries this rank checksums:
-    sums = _checksums(comm, names, scratch[:own] + [  # the blocks it would write
-        (name, first + e.own.start, buf[e.own])
-        for (name, first, buf), (_, e) in zip(scratch[own:], blocks, strict=True)])  # fmt: skip
+    elements = len(scratch) - len(units)  # of the units, what it would write is summed
+    sums = _checksums(comm, names, scratch[:elements] + _owned(
+        units, [buf for _, _, buf in scratch[elements:]]))  # fmt: skip
     bad = [n for n in names if hex_checksum(sums[n]) != sections[n]["checksum"]]
     if bad:  # the sums are allreduced: every rank sees the same list
         raise CheckpointError(

@@ -295,7 +295,7 @@ def sections_by_name(header: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def read(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     """Everything in a checkpoint, as numpy arrays (no MPI): ``{"params": {name:
     array}, <each state of the rule>: {...} (Adam: "exp_avg", "exp_avg_sq"; a state
-    with one entry per block, 8-bit Adam's scales: ``{dtype: the flat blocks}``),
+    held per unit, 8-bit Adam's scales or Adafactor's rows: ``{dtype: its entries}``),
     "optimizer": {...}, "world_size", "stage", "header"}``. Verifies every checksum
     unless ``verify`` is false; raises :class:`CheckpointError` (a ``ValueError``)
     for a truncated, corrupted or foreign file."""
@@ -304,7 +304,7 @@ def read(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     sections = sections_by_name(header)
     kinds = ("params", *state_names(header))
     out: dict[str, Any] = {kind: {} for kind in kinds}
-    per_block: set[str] = set()
+    per_unit: set[str] = set()
     for kind in kinds:
         for dtype in header["sizes"]:
             section = sections.get(f"{kind}.{dtype}")
@@ -315,14 +315,14 @@ def read(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
                 _check_section(path, section, flat)
             if section.get("per", "element") != "element":  # entries per unit
                 out[kind][dtype] = flat
-                per_block.add(kind)
+                per_unit.add(kind)
                 continue
             for p in header["params"]:
                 if p["dtype"] == dtype:
                     n = int(np.prod(p["shape"], dtype=np.int64))
                     out[kind][p["name"]] = flat[p["offset"] : p["offset"] + n].reshape(p["shape"])
     for kind in kinds:
-        if kind in per_block:
+        if kind in per_unit:
             continue
         out[kind] = {p["name"]: out[kind][p["name"]] for p in header["params"]}
     out["optimizer"] = header["optimizer"]

@@ -391,10 +391,7 @@ class Comm(FileIO, Agreement):
         """Collective: the elementwise sum of a small array (float32 or float64) over
         ranks, in place on every rank; a control message (statistics of a few numbers
         per matrix row or column, per parameter), not counted as data-path traffic."""
-        self._blocking(
-            "allreduce", -1,
-            lambda: self.mpi.Allreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.SUM),
-        )  # fmt: skip
+        self._small_inplace(buf, MPI.SUM)
 
     def exchange(
         self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
@@ -403,8 +400,8 @@ class Comm(FileIO, Agreement):
         """Collective: an ``Alltoallv`` of float32 or float64 elements with exact
         counts: ``send`` holds what goes to each rank in rank order (``send_counts``),
         ``recv`` receives what each rank sends here, in rank order (``recv_counts``).
-        Counted as data-path traffic ("alltoallv"), recorded in the fingerprint by its
-        total (the counts differ between ranks by design)."""
+        Counted as data-path traffic ("alltoallv"), recorded in the fingerprint without
+        a count (the counts differ between ranks by design)."""
         sd = np.zeros(len(send_counts), np.int64)
         rd = np.zeros(len(recv_counts), np.int64)
         np.cumsum(send_counts[:-1], out=sd[1:])
@@ -416,9 +413,8 @@ class Comm(FileIO, Agreement):
             lambda: self.mpi.Alltoallv([send, list(send_counts), sd.tolist(), mpi_type],
                                        [recv, list(recv_counts), rd.tolist(), mpi_type]),
         )  # fmt: skip
-        mine = send_counts[self.rank] if self.rank < len(send_counts) else 0
         size = send.itemsize
-        self._count("alltoallv", (sum(send_counts) - mine) * size,
+        self._count("alltoallv", (sum(send_counts) - send_counts[self.rank]) * size,
                     (sum(recv_counts) - recv_counts[self.rank]) * size)  # fmt: skip
 
     def max_inplace(self, buf: np.ndarray) -> None:
@@ -426,9 +422,12 @@ class Comm(FileIO, Agreement):
         over ranks, in place on every rank. A control message (the scales of the
         8-bit blocks that ranks share, a few numbers per part), not counted as
         data-path traffic. A maximum is exact: every rank gets the same bits."""
+        self._small_inplace(buf, MPI.MAX)
+
+    def _small_inplace(self, buf: np.ndarray, op: MPI.Op) -> None:
         self._blocking(
             "allreduce", -1,
-            lambda: self.mpi.Allreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=MPI.MAX),
+            lambda: self.mpi.Allreduce(MPI.IN_PLACE, [buf, _mpi_type(buf)], op=op),
         )  # fmt: skip
 
     def allgather_float64(self, values: np.ndarray, op: str = "allgather") -> np.ndarray:

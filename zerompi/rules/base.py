@@ -90,10 +90,10 @@ class Rule(ABC):
         rounded to its narrower dtype (nearest even, or ``stochastic=(key, base)``:
         :func:`zerompi.adam.stochastic_round`).
 
-        A state with one entry per block (:attr:`StateKind.block
-        <zerompi.buffers.StateKind.block>`) comes as the entries of the blocks the
-        elements touch, and ``offset`` is the global element (in the flat parameters
-        of its dtype) of ``param[0]``. What the update returns, if not ``None``, is
+        A state held per unit (:attr:`StateKind.per <zerompi.buffers.StateKind.per>`:
+        block, matrix row or column) comes as the entries of the units the elements
+        touch, and ``offset`` is the global element (in the flat parameters of its
+        dtype) of ``param[0]``. What the update returns, if not ``None``, is
         handed to :meth:`finish` at the end of the step's update. ``context``: what
         :meth:`before` returned this step (rules that :attr:`prepares`)."""
 
