@@ -215,31 +215,38 @@ def _orthogonalize(
     """Collective: every matrix of ``dtype`` assembled on its owner from the parts the
     ranks count, orthogonalized and scaled there, and returned to every rank for the
     part it updates, written over the gradient."""
-    layout, ranks = world.layout, layout_ranks(world)
+    layout, stage = world.layout, world.stage
+    ranks = range(layout.world_size)
     me = layout.rank
-    counted = {r: _parts(layout, world.stage, r, counted=True) for r in ranks}
-    held = {r: _parts(layout, world.stage, r, counted=False) for r in ranks}
+
+    def counted(rank: int, p: Any) -> tuple[int, int]:
+        return _span(layout, stage, rank, p, counted=True)
+
+    def held(rank: int, p: Any) -> tuple[int, int]:
+        return _span(layout, stage, rank, p, counted=False)
+
     # 1. this rank's counted parts to each owner, in the matrices' order
     send_counts = [0] * len(ranks)
     sends = []
     for p, q in sorted(mats, key=lambda m: m[1]):
-        lo, hi = _span(counted[me], p)
+        lo, hi = counted(me, p)
         if hi > lo:
             sends.append(_grad_view(pieces, dtype, lo, hi))
-        send_counts[q] += hi - lo
-    recv_counts = [sum(_len(_span(counted[r], p)) for p, q in mats if q == me) for r in ranks]
+        send_counts[q] += max(hi - lo, 0)
+    mine = [p for p, q in mats if q == me]
+    recv_counts = [sum(_len(counted(r, p)) for p in mine) for r in ranks]
     send = np.concatenate(sends) if sends else np.zeros(0, dtype)
     recv = np.empty(sum(recv_counts), dtype)
     world.exchange(send, send_counts, recv, recv_counts)
     # 2. the owner assembles (rank by rank, each rank's parts in the matrices' order)
-    mine = [p for p, q in mats if q == me]
     whole = {p.name: np.empty(p.size, dtype) for p in mine}
     at = 0
     for r in ranks:
         for p in mine:
-            lo, hi = _span(counted[r], p)
-            whole[p.name][lo - p.offset : hi - p.offset] = recv[at : at + hi - lo]
-            at += hi - lo
+            lo, hi = counted(r, p)
+            if hi > lo:
+                whole[p.name][lo - p.offset : hi - p.offset] = recv[at : at + hi - lo]
+                at += hi - lo
     for p in mine:
         rows, cols = matrix_shape(p.shape)
         c = world.config_of[p.name]
@@ -247,46 +254,29 @@ def _orthogonalize(
         o *= dtype.type(scale_of(c, rows, cols))
         whole[p.name] = o.reshape(-1)
     # 3. back: each rank's held part of every matrix this rank owns, in rank order
-    back_counts = [sum(_len(_span(held[r], p)) for p in mine) for r in ranks]
+    back_counts = [sum(_len(held(r, p)) for p in mine) for r in ranks]
     back = np.concatenate([whole[p.name][lo - p.offset : hi - p.offset] for r in ranks
-                           for p in mine for lo, hi in (_span(held[r], p),) if hi > lo]
+                           for p in mine for lo, hi in (held(r, p),) if hi > lo]
                           or [np.zeros(0, dtype)])  # fmt: skip
-    got_counts = [sum(_len(_span(held[me], p)) for p, q in mats if q == r) for r in ranks]
+    got_counts = [sum(_len(held(me, p)) for p, q in mats if q == r) for r in ranks]
     got = np.empty(sum(got_counts), dtype)
     world.exchange(back, back_counts, got, got_counts)
     at = 0
     for r in ranks:
         for p in [p for p, q in mats if q == r]:
-            lo, hi = _span(held[me], p)
+            lo, hi = held(me, p)
             if hi > lo:
                 _grad_view(pieces, dtype, lo, hi)[...] = got[at : at + hi - lo]
                 at += hi - lo
 
 
-def layout_ranks(world: World) -> range:
-    return range(world.layout.world_size)
-
-
-def _parts(layout: Any, stage: int, rank: int, counted: bool) -> list[tuple[Any, int, int]]:
-    """Global ``(lo, hi)`` per bucket of what ``rank`` counts (its shard; at stage 0
-    its part of the bucket) or, ``counted=False``, updates (at stage 0 the bucket)."""
-    out = []
-    for b in layout.buckets:
-        if stage == 0 and not counted:
-            out.append((b.dtype, b.start, b.stop))
-        else:
-            lo, hi = b.local(rank)
-            out.append((b.dtype, b.start + lo, b.start + hi))
-    return out
-
-
-def _span(parts: list[Any], p: Any) -> tuple[int, int]:
-    """The global elements of parameter ``p`` in ``parts`` (a parameter lies in one
-    bucket)."""
-    for dtype, lo, hi in parts:
-        if dtype == p.dtype and lo < p.offset + p.size and hi > p.offset:
-            return max(lo, p.offset), min(hi, p.offset + p.size)
-    return p.offset, p.offset
+def _span(layout: Any, stage: int, rank: int, p: Any, counted: bool) -> tuple[int, int]:
+    """The global elements of parameter ``p`` (in one bucket) that ``rank`` counts (its
+    shard; at stage 0 its part of the bucket) or, ``counted=False``, updates (at stage
+    0 all of it); ``hi <= lo`` for none."""
+    b = layout.buckets[layout.bucket_of[p.name]]
+    lo, hi = (0, b.size) if stage == 0 and not counted else b.local(rank)
+    return max(b.start + lo, p.offset), min(b.start + hi, p.offset + p.size)
 
 
 def _len(span: tuple[int, int]) -> int:
