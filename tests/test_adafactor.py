@@ -16,6 +16,7 @@ import pytest
 from helpers import (
     F32,
     F64,
+    MIXED_MATRICES,
     MODES,
     assert_all,
     assert_raises_all,
@@ -88,8 +89,7 @@ def test_matches_reference(
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_mixed_dtypes_and_empty_shards(comm: MPI.Intracomm, stage: int) -> None:
     """float32 and float64 parameters interleaved, one-element buckets."""
-    spec = {"w": ((6, 4), F32), "d": ((9, 2), F64), "b": ((3,), F32), "s": ((), F64),
-            "t": ((2, 2, 3), F32)}  # fmt: skip
+    spec = MIXED_MATRICES
     params = make_params(spec)
     api = "grads" if stage < 2 else "streamed"
     opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=1, optimizer="adafactor",
@@ -228,3 +228,17 @@ def test_the_most_loaded_rank_is_found_for_states_held_per_matrix() -> None:
             assert each[-1]["usage"]["optimizer_states"] > each[0]["usage"]["optimizer_states"]
             for category, value in most["usage"].items():
                 assert value == max(e["usage"][category] for e in each), (stage, world, category)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_parameter_larger_than_a_chunk(comm: MPI.Intracomm, stage: int) -> None:
+    """A 300 x 300 matrix (more than ``CHUNK`` elements: its sums are added over
+    pieces, and its update works piece by piece) against the reference: bit for bit
+    on one rank, within the tolerance on more."""
+    spec = spec_of({"big": (300, 300), "b": (300,)}, F32)
+    params = make_params(spec)
+    api = "grads" if stage < 2 else "streamed"
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, optimizer="adafactor", lr=1e-2)
+    verdict(train(opt, ReferenceAdafactor(params, lr=1e-2), spec, 2, api=api,
+                  bitwise=comm.size == 1))  # fmt: skip
+    opt.close()

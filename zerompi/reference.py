@@ -248,7 +248,8 @@ class ReferenceAdafactor:
     ``states``: the rows' and columns' states of every matrix and the vectors'
     states, each flat by dtype name in the parameters' order, as
     ``optimizer="adafactor"`` lays them out. The sums over whole parameters are
-    float64 ``np.dot``'s."""
+    float64, added over pieces of 65536 elements in order
+    (:func:`zerompi.rules.adafactor.chunks`), as the optimizer adds them."""
 
     def __init__(
         self, params: Mapping[str, np.ndarray], *, lr: float = 1e-2, beta2_decay: float = -0.8,
@@ -286,8 +287,7 @@ class ReferenceAdafactor:
             x = p.reshape(-1).copy()
             eps1 = s["eps1"] if s["eps1"] is not None else float(np.finfo(p.dtype).eps)
             w, keep = dt(t ** s["beta2_decay"]), dt(1.0 - t ** s["beta2_decay"])
-            x64 = x.astype(np.float64)
-            alpha = max(s["eps2"], math.sqrt(float(np.dot(x64, x64)) / x.size)) * min(
+            alpha = max(s["eps2"], math.sqrt(self._sumsq(x) / x.size)) * min(
                 s["lr"], 1.0 / math.sqrt(t))  # fmt: skip
             if s["weight_decay"]:
                 x *= dt(1.0 - s["lr"] * s["weight_decay"])
@@ -308,10 +308,19 @@ class ReferenceAdafactor:
                 vec = self.vectors[name].reshape(-1)
                 vec[...] = vec * keep + (g * g) * w
                 u = g / np.sqrt(np.maximum(vec, dt(eps1 * eps1)))
-            u64 = u.astype(np.float64)
-            rms_u = math.sqrt(float(np.dot(u64, u64)) / u.size)
+            rms_u = math.sqrt(self._sumsq(u) / u.size)
             x += u * dt(-alpha / max(1.0, rms_u / s["d"]))
             self.params[name] = x.reshape(p.shape)
+
+    @staticmethod
+    def _sumsq(x: np.ndarray) -> float:
+        from .rules.adafactor import chunks
+
+        total = 0.0
+        for a, b in chunks(0, x.size):
+            x64 = x[a:b].astype(np.float64)
+            total += float(np.dot(x64, x64))
+        return total
 
     @property
     def states(self) -> dict[str, dict[str, np.ndarray]]:

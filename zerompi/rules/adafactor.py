@@ -32,9 +32,23 @@ from ..adam import finite_real
 from ..buffers import StateKind
 from .base import Piece, Rule, World, write_low
 
-#: Elements a temporary of the update holds at most (rows of a matrix are processed
-#: this many elements at a time).
+#: Elements a temporary of the step holds at most: a parameter is processed in pieces
+#: cut at the multiples of this many of its elements (:func:`chunks`), whatever part
+#: of it a rank holds, so that one rank adds its sums in the reference's order.
 CHUNK = 1 << 16
+
+
+def chunks(a: int, b: int) -> Iterator[tuple[int, int]]:
+    """Elements ``a ... b`` of a parameter in pieces of at most :data:`CHUNK`, cut at
+    its multiples of :data:`CHUNK`."""
+    for k in range(a // CHUNK, -(-b // CHUNK)):
+        yield max(a, k * CHUNK), min(b, (k + 1) * CHUNK)
+
+
+def sumsq(x: np.ndarray) -> float:
+    """``sum(x^2)`` in float64 (the float64 copy is at most :data:`CHUNK` long)."""
+    x64 = x.astype(np.float64)
+    return float(np.dot(x64, x64))
 
 
 @dataclass(frozen=True)
@@ -157,14 +171,16 @@ class Adafactor(Rule):
         first = np.zeros(layout.size, np.float64)
         for piece in pieces:
             for t, lo, hi in _counted(piece, tensors):
-                g = piece.grad[lo - piece.offset : hi - piece.offset].astype(np.float64)
-                x = piece.param[lo - piece.offset : hi - piece.offset].astype(np.float64)
-                first[layout.sumsq[t.key]] += float(np.dot(x, x))
+                for a, b in chunks(lo - t.offset, hi - t.offset):
+                    at = t.offset + a - piece.offset
+                    first[layout.sumsq[t.key]] += sumsq(piece.param[at : at + b - a])
                 if t.matrices:
                     n, m = t.shape[-2], t.shape[-1]
                     rows, cols = layout.rows[t.key], layout.cols[t.key]
+                    g = piece.grad[lo - piece.offset : hi - piece.offset]
                     for k, i0, i1, j0, j1, at in rects(lo - t.offset, hi - t.offset, n, m):
-                        sq = g[at : at + (i1 - i0) * (j1 - j0)].reshape(i1 - i0, j1 - j0) ** 2
+                        part = g[at : at + (i1 - i0) * (j1 - j0)].reshape(i1 - i0, j1 - j0)
+                        sq = part.astype(np.float64) ** 2  # (a rectangle: <= CHUNK)
                         first[rows + k * n + i0 : rows + k * n + i1] += sq.sum(axis=1)
                         first[cols + k * m + j0 : cols + k * m + j1] += sq.sum(axis=0)
         reduce(first)
@@ -201,9 +217,10 @@ class Adafactor(Rule):
                     v += (g * g) * dt(float(step) ** c.beta2_decay)
         for piece in pieces:
             for t, lo, hi in _counted(piece, tensors):
-                g = piece.grad[lo - piece.offset : hi - piece.offset]
-                u = _u(t, g, lo).astype(np.float64)
-                second[layout.index[t.key]] += float(np.dot(u, u))
+                for a, b in chunks(lo - t.offset, hi - t.offset):
+                    at = t.offset + a - piece.offset
+                    u = _u(t, piece.grad[at : at + b - a], t.offset + a)
+                    second[layout.index[t.key]] += sumsq(u)
         reduce(second)
         for t in tensors.values():
             rms_u = math.sqrt(second[layout.index[t.key]] / t.size)
@@ -219,13 +236,15 @@ class Adafactor(Rule):
         averaged by :meth:`before`."""
         tensors: dict[tuple[str, int], _Tensor] = context
         n = param.shape[0]
+        dt = param.dtype.type
         for t in _overlapping(tensors, param.dtype, offset, offset + n):
             lo, hi = max(t.offset, offset), min(t.offset + t.size, offset + n)
-            p = param[lo - offset : hi - offset]
-            dt = param.dtype.type
-            if t.config.weight_decay:
-                p *= dt(1.0 - t.config.lr * t.config.weight_decay)
-            p += _u(t, grad[lo - offset : hi - offset], lo) * dt(t.scale)
+            for a, b in chunks(lo - t.offset, hi - t.offset):
+                at = t.offset + a - offset
+                p = param[at : at + b - a]
+                if t.config.weight_decay:
+                    p *= dt(1.0 - t.config.lr * t.config.weight_decay)
+                p += _u(t, grad[at : at + b - a], t.offset + a) * dt(t.scale)
         write_low(param, low, stochastic, 0)
 
 
