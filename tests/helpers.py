@@ -144,6 +144,16 @@ SHAPES: dict[str, tuple[int, ...]] = {
 
 
 #: Mixed precision in one model, dtypes interleaved in the mapping's order.
+#: Matrices (one a stack of two) and vectors, float32 and float64 interleaved: what
+#: a rule with states per matrix, or one that assembles matrices, is checked on.
+MIXED_MATRICES: Spec = {
+    "w": ((6, 4), F32),
+    "d": ((9, 2), F64),
+    "b": ((3,), F32),
+    "s": ((), F64),
+    "t": ((2, 2, 3), F32),
+}
+
 MIXED: Spec = {
     "w": ((6, 4), F32),
     "d": ((9,), F64),

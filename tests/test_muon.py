@@ -17,6 +17,7 @@ import pytest
 from helpers import (
     F32,
     F64,
+    MIXED_MATRICES,
     MODES,
     assert_all,
     assert_raises_all,
@@ -91,8 +92,7 @@ def test_matches_reference(
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_mixed_dtypes_and_empty_shards(comm: MPI.Intracomm, stage: int) -> None:
-    spec = {"w": ((6, 4), F32), "d": ((9, 2), F64), "b": ((3,), F32), "s": ((), F64),
-            "t": ((2, 2, 3), F32)}  # fmt: skip
+    spec = MIXED_MATRICES
     params = make_params(spec)
     api = "grads" if stage < 2 else "streamed"
     opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=1, optimizer="muon",

@@ -8,7 +8,7 @@ stage, node copy or not, with two parameter groups. Relative parameter differenc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,24 +68,14 @@ RULES: dict[str, tuple[dict[str, Any], Callable[[Any], Any], dict[str, Any]]] = 
 }  # fmt: skip
 
 
-def groups_of(model: torch.nn.Module, second: dict[str, Any]) -> list[dict[str, Any]]:
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in trainable if p.dim() >= 2]},
-            {"params": [p for p in trainable if p.dim() < 2], **second}]  # fmt: skip
-
-
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("mode", MODES)
-def test_rule_through_shard_matches_torch(comm: MPI.Intracomm, mode: str, rule: str) -> None:
-    stage, shared = MODES[mode]
-    keywords, make_ref, second = RULES[rule]
+def train_alongside(
+    model: torch.nn.Module, opt: Any, ref: torch.nn.Module, ref_opt: Any,
+    comm: MPI.Intracomm, scheds: Sequence[Any] = (),
+) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """Five steps of two micro-batches: the sharded ``model`` on this rank's rows, the
+    reference on the whole global batch, ``scheds`` stepped after each; then the
+    difference of every parameter (absolute, relative), the full parameters gathered."""
     rank, world = comm.rank, comm.size
-    model = make_model(rank)
-    model, opt = shard(model, stage=stage, comm=comm, bucket_elems=40, shared_memory=shared,
-                       param_groups=groups_of(model, second), **keywords)  # fmt: skip
-    ref = make_model(0)
-    ref_opt = make_ref(groups_of(ref, second))
-    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref_opt)]
     mine = slice(rank * ROWS, (rank + 1) * ROWS)
     for step in range(5):
         for micro in range(2):
@@ -99,9 +89,29 @@ def test_rule_through_shard_matches_torch(comm: MPI.Intracomm, mode: str, rule: 
             sched.step()
     with opt.full_parameters():
         got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return differences(got, dict(ref.named_parameters()))
+
+
+def groups_of(model: torch.nn.Module, second: dict[str, Any]) -> list[dict[str, Any]]:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.dim() >= 2]},
+            {"params": [p for p in trainable if p.dim() < 2], **second}]  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", MODES)
+def test_rule_through_shard_matches_torch(comm: MPI.Intracomm, mode: str, rule: str) -> None:
+    stage, shared = MODES[mode]
+    keywords, make_ref, second = RULES[rule]
+    model = make_model(comm.rank)
+    model, opt = shard(model, stage=stage, comm=comm, bucket_elems=40, shared_memory=shared,
+                       param_groups=groups_of(model, second), **keywords)  # fmt: skip
+    ref = make_model(0)
+    ref_opt = make_ref(groups_of(ref, second))
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, ref_opt)]
+    diffs = train_alongside(model, opt, ref, ref_opt, comm, scheds)
     problems = [f"{name} differs by {a:.3g} (relative {r:.3g})"
-                for name, (a, r) in differences(got, dict(ref.named_parameters())).items()
-                if not r <= 1e-5]  # fmt: skip
+                for name, (a, r) in diffs.items() if not r <= 1e-5]  # fmt: skip
     lrs = [opt.zero.engine.configs[i].lr for i in opt.zero_groups]
     if lrs != scheds[1].get_last_lr():
         problems.append(f"learning rates {lrs} != {scheds[1].get_last_lr()}")
@@ -160,20 +170,9 @@ def test_adam8bit_through_shard_matches_the_reference(comm: MPI.Intracomm, mode:
                        shared_memory=shared, optimizer="adam8bit", lr=1e-3)  # fmt: skip
     ref = make_model(0)
     ref_opt = TorchAdam8bit(ref.parameters(), **adam)  # (the trainable ones: shard()'s)
-    mine = slice(rank * ROWS, (rank + 1) * ROWS)
-    for step in range(5):
-        for micro in range(2):
-            idx, target = batch(step, micro, world)
-            loss_of(model, idx[mine], target[mine]).backward()
-            loss_of(ref, idx, target).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    with opt.full_parameters():
-        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    diffs = train_alongside(model, opt, ref, ref_opt, comm)
     hyper = opt.zero.hyperparameters()
     opt.close()
-    diffs = differences(got, dict(ref.named_parameters()))
     worst = max(r for _, r in diffs.values())
     limit = 0.0 if world == 1 else 1e-5
     assert_all(worst <= limit and hyper["rule"] == "adam8bit" and hyper["weight_decay"] == 0.01,
@@ -230,24 +229,13 @@ def test_muon_through_shard_matches_kellers(comm: MPI.Intracomm, mode: str) -> N
     (torch's float32 matmuls and lerps round differently from numpy's: 2.6e-6
     measured on one rank)."""
     stage, shared = MODES[mode]
-    rank, world = comm.rank, comm.size
-    model, opt = shard(make_model(rank), stage=stage, comm=comm, bucket_elems=40,
+    model, opt = shard(make_model(comm.rank), stage=stage, comm=comm, bucket_elems=40,
                        shared_memory=shared, optimizer="muon", lr=2e-2,
                        weight_decay=0.05)  # fmt: skip
     ref = make_model(0)
     ref_opt = TorchMuon([p for p in ref.parameters() if p.requires_grad], lr=2e-2,
                         weight_decay=0.05)  # fmt: skip
-    mine = slice(rank * ROWS, (rank + 1) * ROWS)
-    for step in range(5):
-        for micro in range(2):
-            idx, target = batch(step, micro, world)
-            loss_of(model, idx[mine], target[mine]).backward()
-            loss_of(ref, idx, target).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    with opt.full_parameters():
-        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    diffs = train_alongside(model, opt, ref, ref_opt, comm)
     opt.close()
-    worst = max(r for _, r in differences(got, dict(ref.named_parameters())).values())
+    worst = max(r for _, r in diffs.values())
     assert_all(worst <= 1e-5, f"worst relative difference {worst:.3g}")
