@@ -197,7 +197,7 @@ def test_state_bytes_are_rows_and_columns() -> None:
     assert states == {"adam": 8 * (4096 * 4096 + 4096), "adafactor": 4 * 3 * 4096}, states
 
 
-def test_settings_of_another_rule_and_elastic_are_refused(comm: MPI.Intracomm) -> None:
+def test_settings_of_another_rule_are_refused(comm: MPI.Intracomm) -> None:
     params = {"w": np.zeros((3, 4), np.float32)}
     assert_raises_all(ValueError, "betas=(0.9, 0.99) is not a setting of optimizer='adafactor'",
                       lambda: ZeroOptimizer(params, comm=comm, optimizer="adafactor",
@@ -206,9 +206,6 @@ def test_settings_of_another_rule_and_elastic_are_refused(comm: MPI.Intracomm) -
                       lambda: ZeroOptimizer(params, comm=comm, beta2_decay=-0.5))  # fmt: skip
     assert_raises_all(ValueError, "d (the update clipping threshold) must be >= 1",
                       lambda: ZeroOptimizer(params, comm=comm, optimizer="adafactor", d=0.5))
-    assert_raises_all(ValueError, "optimizer='adafactor' cannot be elastic",
-                      lambda: ZeroOptimizer(params, comm=comm, optimizer="adafactor",
-                                            elastic=True))  # fmt: skip
 
 
 def test_the_most_loaded_rank_is_found_for_states_held_per_matrix() -> None:

@@ -170,14 +170,10 @@ def test_state_bytes_are_a_quarter_of_adams() -> None:
 
 
 def test_what_it_does_not_run_on_is_refused_everywhere(comm: MPI.Intracomm) -> None:
-    """float64 parameters and elastic snapshots: an error naming them, on every rank."""
+    """float64 parameters: an error naming them, on every rank."""
     params = {"w": np.zeros(300, np.float32), "d": np.zeros(3, np.float64)}
     assert_raises_all(ValueError, "runs on float32 parameters only; this model has float64",
                       lambda: ZeroOptimizer(params, comm=comm, optimizer="adam8bit"))  # fmt: skip
-    params = {"w": np.zeros(300, np.float32)}
-    assert_raises_all(ValueError, "optimizer='adam8bit' cannot be elastic",
-                      lambda: ZeroOptimizer(params, comm=comm, optimizer="adam8bit",
-                                            elastic=True))  # fmt: skip
 
 
 def test_parameter_groups_and_a_schedule(comm: MPI.Intracomm) -> None:

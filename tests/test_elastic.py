@@ -50,35 +50,69 @@ def layout(world: int, rank: int = 0, bucket_elems: int = 16, stage: int = 1, sp
 # -- the pure parts ------------------------------------------------------------------
 
 
+def reshard_on_paper(rule: str, stage: int, old_size: int, new_size: int, bucket_elems: int,
+                     specs=SPECS) -> None:  # fmt: skip
+    """Every element (or entry, for a state held per unit) of every section reaches
+    every new rank that holds it, from an old rank that held it, once."""
+    states = rule_of(rule).states
+    old = layout(old_size, bucket_elems=bucket_elems, stage=stage, specs=specs)
+    new = layout(new_size, bucket_elems=bucket_elems, stage=stage, specs=specs)
+    state: dict[str, np.ndarray] = {}  # section -> global values, distinct everywhere
+    for r in range(old_size):
+        for section, first, count, _ in pieces(old, r, states, stage):
+            size = max(first + count, state[section].shape[0] if section in state else 0)
+            state[section] = np.arange(size, dtype=np.float64) + 1e6 * len(state)
+    held = {r: {i for i, (_, _, c, _) in enumerate(pieces(old, r, states, stage)) if c}
+            for r in range(old_size)}  # fmt: skip
+    targets = {n: [np.full(c, np.nan) for _, _, c, _ in pieces(new, n, states, stage)]
+               for n in range(new_size)}  # fmt: skip
+    for m in moves(old, old_size, new, new_size, states, stage):
+        assert m.old_piece in held[m.old]
+        section, first, count, _ = pieces(old, m.old, states, stage)[m.old_piece]
+        assert 0 <= m.old_at and m.old_at + m.count <= count  # within what it holds
+        src = state[section][first + m.old_at : first + m.old_at + m.count]
+        out = targets[m.new][m.new_piece][m.new_at : m.new_at + m.count]
+        assert np.isnan(out).all()  # written once
+        out[...] = src
+    for n in range(new_size):
+        for (section, first, count, _), got in zip(pieces(new, n, states, stage), targets[n],
+                                                   strict=True):  # fmt: skip
+            want = state.get(section, np.zeros(0))[first : first + count]
+            np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.mpi_skip
 @pytest.mark.parametrize(
     "old_size, new_size", list(itertools.product([1, 2, 3, 4, 5, 9], [1, 2, 3, 4]))
 )
 def test_the_reshard_moves_every_element_once(old_size: int, new_size: int) -> None:
-    """Every element of every section reaches its new owner from its old one, once,
-    including worlds where trailing ranks own nothing (9 ranks, 16-element buckets)."""
+    """Adam's states, including worlds where trailing ranks own nothing (9 ranks,
+    16-element buckets); every element is moved once in all (a state per element)."""
+    reshard_on_paper("adam", 1, old_size, new_size, 16)
     old, new = layout(old_size), layout(new_size)
-    state = {}  # section -> global values
-    for section, *_ in pieces(old, 0, ADAM):
-        state.setdefault(section, None)
-    for section in state:
-        kind, _, dtype = section.partition(".")
-        size = old.sizes[np.dtype(dtype)]
-        state[section] = np.arange(size, dtype=np.float64) + 1000 * len(kind)
-    targets = {n: [np.full(c, np.nan) for _, _, c, _ in pieces(new, n, ADAM)]
-               for n in range(new_size)}  # fmt: skip
-    seen = 0
-    for m in moves(old, old_size, new, new_size, ADAM):
-        section, first, count, _ = pieces(old, m.old, ADAM)[m.old_piece]
-        src = state[section][first + m.old_at : first + m.old_at + m.count]
-        out = targets[m.new][m.new_piece][m.new_at : m.new_at + m.count]
-        assert np.isnan(out).all()  # written once
-        out[...] = src
-        seen += m.count
-    assert seen == 3 * sum(old.sizes.values())
-    for n in range(new_size):
-        for (section, first, count, _), got in zip(pieces(new, n, ADAM), targets[n], strict=True):
-            np.testing.assert_array_equal(got, state[section][first : first + count])
+    moved = sum(m.count for m in moves(old, old_size, new, new_size, ADAM))
+    assert moved == 3 * sum(old.sizes.values())
+
+
+#: Matrices that 10-element buckets and shards cut (a 3-D stack among them), vectors
+#: and a float64 dtype: Adafactor's rows and columns shared between ranks.
+UNIT_SPECS = [("a", (7, 5), np.dtype(np.float32)), ("b", (5,), np.dtype(np.float32)),
+              ("c", (2, 3, 4), np.dtype(np.float32)), ("d", (5, 3), np.dtype(np.float64)),
+              ("e", (600,), np.dtype(np.float32))]  # fmt: skip
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("rule", ["adam8bit", "adafactor", "muon"])
+@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("old_size, new_size", [(2, 1), (3, 2), (4, 3), (9, 4), (4, 2)])
+def test_the_reshard_moves_states_held_per_unit(
+    rule: str, stage: int, old_size: int, new_size: int
+) -> None:  # fmt: skip
+    """8-bit Adam's codes and block scales (blocks of 256 cut by shards), Adafactor's
+    rows, columns and vectors (matrices cut by buckets and shards), Muon's moments: a
+    shared unit's entries come from one old holder, and every holder in the new world
+    gets them; at stage 0 every rank holds every unit of every bucket."""
+    reshard_on_paper(rule, stage, old_size, new_size, 10, UNIT_SPECS)
 
 
 @pytest.mark.mpi_skip
@@ -139,13 +173,17 @@ def test_the_survivors_choose_the_newest_complete_step(statuses, expected) -> No
 
 @pytest.mark.mpi_skip
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_the_estimate_counts_three_snapshot_buffers(stage: int) -> None:
+@pytest.mark.parametrize("optimizer", ["adam", "adafactor"])
+def test_the_estimate_counts_three_snapshot_buffers(stage: int, optimizer: str) -> None:
+    states = rule_of(optimizer).states
     for world, rank in ((4, 1), (9, 8), (4, 3)):
-        plain = estimate(SPECS, world, rank, stage, 16, shared_memory=False)  # as elastic
-        elastic = estimate(SPECS, world, rank, stage, 16, elastic=True)
+        plain = estimate(SPECS, world, rank, stage, 16, shared_memory=False,
+                         optimizer=optimizer)  # as elastic  # fmt: skip
+        elastic = estimate(SPECS, world, rank, stage, 16, elastic=True, optimizer=optimizer)
         lay = layout(world, rank, 16, stage)
         source = buddy_ranks(world, rank)[1]
-        extra = snapshot_bytes(lay, rank, ADAM) + 2 * snapshot_bytes(lay, source, ADAM)
+        extra = (snapshot_bytes(lay, rank, states, stage)
+                 + 2 * snapshot_bytes(lay, source, states, stage))  # fmt: skip
         assert elastic["usage"]["snapshots"] == extra
         assert elastic["total_bytes"] - plain["total_bytes"] == extra
 
@@ -413,13 +451,19 @@ def test_a_rank_lost_while_a_checkpoint_is_written_again_is_survived(tmp_path: P
 @pytest.mark.mpi_skip
 @ulfm_only
 @pytest.mark.timeout(180)  # (the job's own limit, 120 s, ends it first)
-def test_recovery_equals_a_resume_at_the_smaller_world(tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer, stage", [("adam", 2), ("adam8bit", 1), ("adafactor", 3),
+                                              ("muon", 2), ("adafactor", 0)])  # fmt: skip
+def test_recovery_equals_a_resume_at_the_smaller_world(
+    tmp_path: Path, optimizer: str, stage: int
+) -> None:  # fmt: skip
     """A run that loses a rank after batch 12 (snapshot 10) ends where a run that saved
-    at batch 10 and resumed at world size 3 ends, bit for bit: parameters and Adam
-    moments (the snapshot and the re-shard copy bits; both then run the same W = 3
-    steps, without node shared memory)."""
+    at batch 10 and resumed at world size 3 ends, bit for bit: parameters and every
+    state of the rule (the snapshot and the re-shard copy bits; both then run the same
+    W = 3 steps, without node shared memory). 8-bit Adam's block scales and
+    Adafactor's rows and columns are held per unit, several ranks holding a unit their
+    parts share (at stage 0 every rank holds all); Muon's step exchanges matrices."""
     common = ["--steps", "30", "--batch", "64", "--hidden", "32", "--in-dim", "16",
-              "--stage", "2", "--log-every", "10"]  # fmt: skip
+              "--stage", str(stage), "--log-every", "10", "--optimizer", optimizer]  # fmt: skip
     (tmp_path / "a").mkdir()
     elastic = ["--elastic", "--snapshot-every", "5", "--save", str(tmp_path / "elastic")]
     job = Job(tmp_path / "a", 4, [*common, *elastic], pauses="step:13")
@@ -437,7 +481,9 @@ def test_recovery_equals_a_resume_at_the_smaller_world(tmp_path: Path) -> None:
     got = checkpoint.read(tmp_path / "elastic.00000030")
     want = checkpoint.read(tmp_path / "plain.00000030")
     assert got["optimizer"]["step"] == want["optimizer"]["step"] == 30
-    for kind in ("params", "exp_avg", "exp_avg_sq"):
+    kinds = ["params", *(k.label for k in rule_of(optimizer).states)]
+    for kind in kinds:
+        assert want[kind], kind
         for name, array in want[kind].items():
             np.testing.assert_array_equal(got[kind][name], array, err_msg=f"{kind} {name}")
 

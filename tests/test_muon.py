@@ -180,6 +180,3 @@ def test_settings_are_checked_everywhere(comm: MPI.Intracomm) -> None:
                       lambda: ZeroOptimizer(params, comm=comm, optimizer="muon", ns_steps=2.5))
     assert_raises_all(ValueError, "muon_momentum=0.5 is not a setting of optimizer='adam'",
                       lambda: ZeroOptimizer(params, comm=comm, muon_momentum=0.5))  # fmt: skip
-    assert_raises_all(ValueError, "optimizer='muon' cannot be elastic",
-                      lambda: ZeroOptimizer(params, comm=comm, optimizer="muon",
-                                            elastic=True))  # fmt: skip

@@ -403,6 +403,44 @@ def test_a_nonfinite_gradient_skips_the_step_states_untouched(
     assert_all(not problems, f"changed in a skipped step: {problems[:6]}")
 
 
+@pytest.mark.parametrize("rule", list(MORE))
+def test_clipping_reaches_the_states_of_every_rule(comm: MPI.Intracomm, rule: str) -> None:
+    """``max_norm`` divides the gradient 8-bit Adam, Adafactor and Muon see, as it does
+    every rule's: their float states after a clipped step (8-bit Adam's block scales,
+    Adafactor's rows, columns and vectors, Muon's momentum and the vectors' AdamW
+    moments) equal those of an unclipped step on the gradients times torch's
+    coefficient ``max_norm / (norm + 1e-6)``, to float32 rounding, and differ from an
+    unclipped step's by far more. (Their updates hardly depend on the gradient's
+    scale, so parameters could not show a lost clip; their states scale with it.)"""
+    spec = spec_of(SHAPES, F32)
+    params = make_params(spec)
+    mean = mean_grads(spec, 0, comm.size)
+    norm = float(np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in mean.values())))
+    coef = 0.05 / (norm + 1e-6)
+
+    def states(max_norm: float | None, scale: float) -> dict[str, dict[str, np.ndarray]]:
+        opt = ZeroOptimizer(params, comm=comm, stage=2, bucket_elems=5, max_norm=max_norm,
+                            **MORE[rule])  # fmt: skip
+        grads = {n: (g * scale).astype(g.dtype) for n, g in rank_grads(spec, 0, comm.rank).items()}
+        backward(opt, grads, "streamed")
+        opt.step()
+        out = {k: v for k, v in opt.gather_state().items()
+               if all(a.dtype.kind == "f" for a in v.values())}  # fmt: skip
+        opt.close()
+        return out
+
+    clipped, scaled, plain = states(0.05, 1.0), states(None, coef), states(None, 1.0)
+    problems = [] if coef < 0.2 and clipped else [f"coef {coef}, states {list(clipped)}"]
+    for kind, by_name in clipped.items():
+        for name, got in by_name.items():
+            want, loose = scaled[kind][name], plain[kind][name]
+            if not np.allclose(got, want, rtol=1e-5, atol=1e-30):
+                problems.append(f"{kind}[{name}] clipped != scaled: {np.max(np.abs(got - want))}")
+            if np.any(loose != 0) and np.allclose(got, loose, rtol=0.1):
+                problems.append(f"{kind}[{name}] the same unclipped")
+    assert_all(not problems, "\n".join(problems[:6]))
+
+
 @pytest.mark.parametrize("argv", [
     ["--optimizer", "sgd", "--momentum", "0.9", "--nesterov", "--weight-decay", "0.01"],
     ["--optimizer", "lion", "--lr", "1e-4", "--weight-decay", "0.1"],

@@ -245,7 +245,7 @@ def settle(
         configs, member = group_configs(rule, rule.base(c), c.param_groups,
                                         [n for n, _, _ in specs])  # fmt: skip
         layout = optimizer_layout(specs, comm.size, comm.rank, c.stage, c.bucket_elems, c.group_of)
-        rule.check(list(layout.sizes), c.elastic.enabled)
+        rule.check(list(layout.sizes))
         keys = [c.group_of(name) for name, _, _ in specs]
         max_norm = check_failure_settings(c.max_norm, c.nonfinite)
         shared = c.node_memory.shared

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .blockwise import held, spans_of
 from .buffers import Kind, PlannedBuffer, StateKind
 from .plan import state_kinds
 
@@ -128,18 +129,31 @@ def elastic_setup(comm: Any) -> None:
 
 
 def pieces(
-    layout: Layout, rank: int, states: Sequence[StateKind]
+    layout: Layout, rank: int, states: Sequence[StateKind], stage: int = 1
 ) -> list[tuple[str, int, int, np.dtype]]:
-    """``(section, first global element, count, dtype)`` of every piece of ``rank``'s
-    shard state (the parameters and the update rule's ``states``), in the order of
-    :func:`zerompi.state.state_shards` (any rank, any world size of ``layout``'s
-    buckets)."""
+    """``(section, first global element or entry, count, dtype)`` of every piece of
+    ``rank``'s shard state (the parameters and the update rule's ``states``), in the
+    order of :func:`zerompi.plan.snapshot_views` (any rank, any world size of
+    ``layout``'s buckets): first the states held per element, by bucket; then those
+    held per unit (:mod:`zerompi.blockwise`), each bucket's entries of every unit its
+    part touches at ``stage`` (the whole bucket's at stage 0). Two ranks' pieces of
+    such a state may overlap (a unit their parts share: the same values on both)."""
     out = []
     for kind in state_kinds(states):
+        if isinstance(kind, StateKind) and kind.units:
+            continue
         for bucket in layout.buckets:
             lo, hi = bucket.local(rank)
-            section = f"{kind.label}.{bucket.dtype.name}"
-            out.append((section, bucket.start + lo, hi - lo, bucket.dtype))
+            dtype = bucket.dtype if kind is Kind.PARAMS else kind.storage(bucket.dtype)
+            out.append((f"{kind.label}.{bucket.dtype.name}", bucket.start + lo, hi - lo, dtype))
+    for kind in states:
+        if not kind.units:
+            continue
+        spans = {d: spans_of(kind, layout, d) for d in layout.sizes}
+        for index, bucket in enumerate(layout.buckets):
+            lo, hi = spans[bucket.dtype].touched(*held(layout, stage, index, rank))
+            out.append((f"{kind.label}.{bucket.dtype.name}", lo, hi - lo,
+                        kind.storage(bucket.dtype)))  # fmt: skip
     return out
 
 
@@ -153,9 +167,11 @@ def offsets(parts: Sequence[tuple[str, int, int, np.dtype]]) -> tuple[list[int],
     return out, at
 
 
-def snapshot_bytes(layout: Layout, rank: int, states: Sequence[StateKind]) -> int:
+def snapshot_bytes(
+    layout: Layout, rank: int, states: Sequence[StateKind], stage: int = 1
+) -> int:
     """Bytes of ``rank``'s snapshot."""
-    return offsets(pieces(layout, rank, states))[1]
+    return offsets(pieces(layout, rank, states, stage))[1]
 
 
 def buddy_ranks(
@@ -175,12 +191,13 @@ def buddy_ranks(
 
 
 def snapshot_plan(
-    layout: Layout, rank: int, source: int, states: Sequence[StateKind]
+    layout: Layout, rank: int, source: int, states: Sequence[StateKind], stage: int = 1
 ) -> list[PlannedBuffer]:
     """The snapshot buffers of ``rank`` holding ``source``'s (category ``snapshots``):
     3 x the shard state, plus 64 bytes of counters per buffer."""
     u8 = np.dtype(np.uint8)
-    own, theirs = snapshot_bytes(layout, rank, states), snapshot_bytes(layout, source, states)
+    own = snapshot_bytes(layout, rank, states, stage)
+    theirs = snapshot_bytes(layout, source, states, stage)
     sizes = (own, theirs, theirs)
     return [PlannedBuffer(kind, u8, n) for kind, n in zip(SLOTS, sizes, strict=True)]
 
@@ -225,11 +242,12 @@ class Snapshots:
     def __init__(
         self, every: int, comm: Any, layout: Layout, live: Sequence[np.ndarray],
         buddy: int, source: int, stores: dict[str, np.ndarray], exchange: Any,
-        states: Sequence[StateKind],
+        states: Sequence[StateKind], stage: int = 1,
     ) -> None:  # fmt: skip
         self.every, self.comm, self.layout = every, comm, layout
         self.buddy, self.source = buddy, source
-        self.mine, self.theirs = pieces(layout, comm.rank, states), pieces(layout, source, states)
+        self.mine = pieces(layout, comm.rank, states, stage)
+        self.theirs = pieces(layout, source, states, stage)
         self.live = list(live)
         own, held, next_ = (stores[kind.label] for kind in SLOTS)
         self.own = typed_views(own, self.mine)
@@ -356,32 +374,41 @@ class Move:
 
 def moves(
     old: Layout, old_size: int, new: Layout, new_size: int, states: Sequence[StateKind],
+    stage: int = 1,
 ) -> list[Move]:  # fmt: skip
-    """Every run of elements between the shard pieces of the old and the new world,
-    in one order every rank computes alike (by new rank, its pieces, then old rank
-    and piece): what the re-shard's ``Alltoallv`` packs and unpacks."""
-    olds: dict[str, list[tuple[int, int, int, int]]] = {}
+    """Every run of elements (or entries) between the shard pieces of the old and the
+    new world, in one order every rank computes alike (by new rank, its pieces, then
+    old rank and piece): what the re-shard's ``Alltoallv`` packs and unpacks. An
+    entry that several old pieces hold (a shared unit) is taken from the first."""
+    olds: dict[str, list[tuple[int, int, int, int, int]]] = {}
     for r in range(old_size):
-        for i, (section, first, count, _) in enumerate(pieces(old, r, states)):
+        for i, (section, first, count, _) in enumerate(pieces(old, r, states, stage)):
             if count:
-                olds.setdefault(section, []).append((first, count, r, i))
-    for runs in olds.values():
+                olds.setdefault(section, []).append((first, count, r, i, first))
+    for section, runs in olds.items():
         runs.sort()
+        kept, end = [], None
+        for first, count, r, i, origin in runs:  # each entry from one piece only
+            start = first if end is None else max(first, end)
+            if start < first + count:
+                kept.append((start, first + count - start, r, i, origin))
+            end = first + count if end is None else max(end, first + count)
+        olds[section] = kept
     out = []
     for n in range(new_size):
-        for j, (section, first, count, _) in enumerate(pieces(new, n, states)):
+        for j, (section, first, count, _) in enumerate(pieces(new, n, states, stage)):
             stop = first + count
-            for o_first, o_count, r, i in olds.get(section, ()):
+            for o_first, o_count, r, i, origin in olds.get(section, ()):
                 lo, hi = max(first, o_first), min(stop, o_first + o_count)
                 if lo < hi:
-                    out.append(Move(r, i, lo - o_first, n, j, lo - first, hi - lo))
+                    out.append(Move(r, i, lo - origin, n, j, lo - first, hi - lo))
     return out
 
 
 def reshard(
     comm: Any, old: Layout, old_size: int, new: Layout, where: dict[int, tuple[int, str]],
     sources: Callable[[int, str], list[np.ndarray]], targets: Sequence[np.ndarray],
-    alltoallv: Callable[..., None], states: Sequence[StateKind],
+    alltoallv: Callable[..., None], states: Sequence[StateKind], stage: int = 1,
 ) -> None:  # fmt: skip
     """Collective over the new world ``comm``: fill this rank's shard pieces
     (``targets``, in :func:`pieces` order of ``new``) from the old world's states,
@@ -389,8 +416,8 @@ def reshard(
     pieces), with one exact-count byte ``alltoallv`` (:func:`zerompi.mpi.ulfm.alltoallv_bytes`);
     what this rank holds and keeps is copied in place, not packed."""
     me, size = comm.rank, comm.size
-    plan = moves(old, old_size, new, size, states)
-    dtypes = {r: [d for *_, d in pieces(old, r, states)] for r in range(old_size)}
+    plan = moves(old, old_size, new, size, states, stage)
+    dtypes = {r: [d for *_, d in pieces(old, r, states, stage)] for r in range(old_size)}
     send_counts, recv_counts = [0] * size, [0] * size
     views: dict[int, list[np.ndarray]] = {}
     for m in plan:

@@ -48,9 +48,9 @@ from .plan import (
     full_grads_plan,
     gather_slots,
     runs,
+    snapshot_views,
     stage_plan,
     staging_slots,
-    state_views,
 )
 from .plan import (
     Access as AccessKind,
@@ -253,7 +253,7 @@ def _buffers(settings: Settings, layout: Layout, nodes: Nodes, plan: StagePlan,
     out = buffer_plan(layout, plan, settings.config.overlap.enabled, settings.precisions, region,
                       states=rule.states, scratch_blocks=rule.scratch_blocks)  # fmt: skip
     if buddies is not None:
-        out += snapshot_plan(layout, layout.rank, buddies[1], rule.states)
+        out += snapshot_plan(layout, layout.rank, buddies[1], rule.states, plan.stage)
     return out
 
 
@@ -349,10 +349,10 @@ def build_engine(
 
         engine.snapshots = Snapshots(
             config.elastic.snapshot_every, comm, layout,
-            [shard for _, _, shard in state_views(plan, layout, stores, rule.states)], *buddies,
+            snapshot_views(plan, layout, stores, rule.states), *buddies,
             {k.label: stores[k][np.dtype(np.uint8)]
              for k in (Kind.SNAPSHOT_OWN, Kind.SNAPSHOT_HELD, Kind.SNAPSHOT_NEXT)},
-            Exchange(comm), rule.states,
+            Exchange(comm), rule.states, config.stage,
         )  # fmt: skip
     comm.describe = engine.describe
     comm.step = 1

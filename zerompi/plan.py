@@ -471,6 +471,17 @@ def state_views(
     return out
 
 
+def snapshot_views(
+    plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind]
+) -> list[np.ndarray]:
+    """Writable views of this rank's whole shard state in the order of
+    :func:`zerompi.elastic.pieces`: :func:`state_views`' shards, then every entry this
+    rank holds of the states held per unit (what an elastic snapshot sends and a
+    recovery fills)."""
+    shards = [shard for _, _, shard in state_views(plan, layout, stores, states)]
+    return shards + [entry.held for _, entry in unit_views(plan, layout, stores, states)]
+
+
 def unit_views(
     plan: StagePlan, layout: Layout, stores: Stores, states: Sequence[StateKind]
 ) -> list[tuple[str, blockwise.Entry]]:

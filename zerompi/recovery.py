@@ -96,9 +96,9 @@ class Recovery:
         marks.append(clock())
         if chosen is not None:
             assert meta is not None
-            targets = [shard for _, _, shard in state.state_shards(engine)]
+            targets = state.snapshot_shards(engine)
             reshard(survivors, old_layout, old_size, layout, where, snaps.source_views,
-                    targets, ulfm.alltoallv_bytes, engine.rule.states)  # fmt: skip
+                    targets, ulfm.alltoallv_bytes, engine.rule.states, engine.stage)  # fmt: skip
             state.publish_state(engine)
             marks.append(clock())
             if engine.scaler is not None and engine.scaler.dynamic:

@@ -18,7 +18,15 @@ import numpy as np
 from .adam import round_low
 from .blockwise import Entry, spans_of
 from .buffers import StateKind
-from .plan import master_is_full, masters, shard_of, state_kinds, state_views, unit_views
+from .plan import (
+    master_is_full,
+    masters,
+    shard_of,
+    snapshot_views,
+    state_kinds,
+    state_views,
+    unit_views,
+)
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -136,6 +144,13 @@ def state_shards(engine: Engine) -> list[tuple[str, int, np.ndarray]]:
     follows. The shards are writable views of the engine's own storage."""
     engine.snapshots.settle()  # a snapshot's messages read these shards
     return state_views(engine.plan, engine.layout, engine.stores, engine.rule.states)
+
+
+def snapshot_shards(engine: Engine) -> list[np.ndarray]:
+    """Writable views of this rank's whole shard state, as an elastic snapshot holds
+    it (:func:`zerompi.plan.snapshot_views`)."""
+    engine.snapshots.settle()  # a snapshot's messages read these shards
+    return snapshot_views(engine.plan, engine.layout, engine.stores, engine.rule.states)
 
 
 def publish_state(engine: Engine) -> None:

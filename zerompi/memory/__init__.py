@@ -217,9 +217,9 @@ def estimate(
     if elastic:  # the snapshots (zerompi.elastic): this rank's and its source's (x2)
         members = [range(n * per_node, (n + 1) * per_node) for n in range(count)]
         buddy, source = buddy_ranks(world_size, rank, members if count > 1 else None)
-        plan += snapshot_plan(layout, rank, source, rule.states)
-        sent = snapshot_bytes(layout, rank, rule.states)
-        received = snapshot_bytes(layout, source, rule.states)
+        plan += snapshot_plan(layout, rank, source, rule.states, stage)
+        sent = snapshot_bytes(layout, rank, rule.states, stage)
+        received = snapshot_bytes(layout, source, rule.states, stage)
         far = (buddy // per_node != rank // per_node, source // per_node != rank // per_node)
         traffic["snapshot"] = {
             "sent": round(sent / snapshot_every), "received": round(received / snapshot_every),

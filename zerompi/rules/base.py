@@ -123,20 +123,15 @@ class Rule(ABC):
         """Whether any of its states is held per unit (block, matrix, vector element)."""
         return any(s.units for s in self.states)
 
-    def check(self, dtypes: Sequence[np.dtype], elastic: bool) -> None:
+    def check(self, dtypes: Sequence[np.dtype]) -> None:
         """Raise (a ``ValueError`` naming the value) where the rule cannot run on
-        parameters of ``dtypes`` or with elastic snapshots."""
+        parameters of ``dtypes``."""
         if self.dtypes is not None:
             bad = [d.name for d in dtypes if d.name not in self.dtypes]
             if bad:
                 raise ValueError(
                     f"optimizer={self.name!r} runs on {', '.join(self.dtypes)} parameters "
                     f"only; this model has {', '.join(bad)} ones")  # fmt: skip
-        if elastic and (self.units or self.prepares):
-            raise ValueError(f"optimizer={self.name!r} cannot be elastic yet: its states "
-                             "held per block or matrix, or its statistics over whole "
-                             "parameters, are not in the snapshots' recovery (use "
-                             "elastic=False)")  # fmt: skip
 
     def group(self, base: Any, entry: Mapping[str, Any], where: str) -> Any:
         """A parameter group's hyperparameters: ``base`` with the group's settings."""
