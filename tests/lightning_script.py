@@ -95,11 +95,62 @@ class MLP(pl.LightningModule):
         if self.kind == "sgd":  # (L2 decay, Nesterov momentum)
             optimizer: torch.optim.Optimizer = torch.optim.SGD(
                 groups, lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=DECAY)
+        elif self.kind == "adafactor":
+            optimizer = torch.optim.Adafactor(groups, lr=LR, weight_decay=DECAY)
+        elif self.kind == "adam8bit":
+            optimizer = AdamW8bit(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+        elif self.kind == "muon":  # Keller's API: Muon for the matrices, AdamW for the rest
+            weights, biases = groups
+            optimizer = MuonWithAuxAdam([
+                {**weights, "use_muon": True, "lr": LR, "weight_decay": DECAY},
+                {**biases, "use_muon": False, "betas": BETAS, "eps": EPS}])  # fmt: skip
         else:
             optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=GAMMA)
         schedule = {"scheduler": scheduler, "interval": "step"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """A stand-in for bitsandbytes' ``AdamW8bit`` (its name, module and defaults;
+    bitsandbytes is not installed here): zerompi matches the class by name and reads
+    its groups, it never steps it."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:  # fmt: skip
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay})  # fmt: skip
+
+
+AdamW8bit.__module__ = "bitsandbytes.optim.adamw"
+
+
+class MuonWithAuxAdam(torch.optim.Optimizer):
+    """A stand-in for Keller Jordan's ``muon.MuonWithAuxAdam`` (its name, module,
+    groups with ``use_muon`` and their defaults), read by zerompi, never stepped."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        for group in param_groups:
+            defaults = ({"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0} if group["use_muon"]
+                        else {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10,
+                              "weight_decay": 0.0})  # fmt: skip
+            for key, value in defaults.items():
+                group.setdefault(key, value)
+        super().__init__(param_groups, {})
+
+
+MuonWithAuxAdam.__module__ = "muon"
+
+#: ``shard()``'s settings of each kind of :class:`MLP`'s optimizer (and its bias group's).
+DIRECT: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "adamw": ({"betas": BETAS, "eps": EPS, "decoupled_weight_decay": True}, {}),
+    "sgd": ({"optimizer": "sgd", "momentum": MOMENTUM, "nesterov": True,
+             "decoupled_weight_decay": False}, {}),
+    "adafactor": ({"optimizer": "adafactor"}, {}),
+    "adam8bit": ({"optimizer": "adam8bit", "betas": BETAS, "eps": EPS,
+                  "decoupled_weight_decay": True}, {}),
+    "muon": ({"optimizer": "muon"}, {"muon": False, "betas": BETAS, "eps": EPS}),
+}  # fmt: skip
 
 
 def lightning_fit(
@@ -129,13 +180,10 @@ def direct(stage: int, shared: bool | None, clip: float | None = CLIP,
     """The same training as :func:`lightning_fit`, by hand through ``shard()``."""
     module = MLP()
     names = [n for n, _ in module.named_parameters()]
+    rule, bias = DIRECT[kind]
     groups = [{"params": [n for n in names if n.endswith("weight")]},
               {"params": [n for n in names if n.endswith("bias")], "lr": BIAS_LR,
-               "weight_decay": 0.0}]  # fmt: skip
-    rule: dict[str, Any] = (
-        {"optimizer": "sgd", "momentum": MOMENTUM, "nesterov": True,
-         "decoupled_weight_decay": False} if kind == "sgd"
-        else {"betas": BETAS, "eps": EPS, "decoupled_weight_decay": True})  # fmt: skip
+               "weight_decay": 0.0, **bias}]  # fmt: skip
     model, optimizer = shard(module, stage=stage, lr=LR, weight_decay=DECAY, max_norm=clip,
                              param_groups=groups, shared_memory=shared, **rule)  # fmt: skip
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=GAMMA)
@@ -213,6 +261,13 @@ def main() -> dict[str, Any]:
     result["sgd_stage2"] = difference(final(trainer, module), direct(2, None, kind="sgd"))
     result["sgd_moved"] = difference(final(trainer, module), direct(2, None))  # not AdamW's
     trainer.strategy.sharded_optimizer.close()
+
+    for kind in ("adafactor", "adam8bit", "muon"):  # each as shard() runs it, not as AdamW
+        trainer, module = lightning_fit("zerompi", kind=kind)
+        result[f"{kind}_stage2"] = difference(final(trainer, module), direct(2, None, kind=kind))
+        result[f"{kind}_moved"] = difference(final(trainer, module), direct(2, None))
+        result[f"{kind}_rule"] = trainer.strategy.sharded_optimizer.zero.hyperparameters()["rule"]
+        trainer.strategy.sharded_optimizer.close()
 
     trainer, module = lightning_fit(ZeroMPIStrategy(stage=3, shared_memory=False))
     trained3 = final(trainer, module)

@@ -94,6 +94,22 @@ def test_torch_sgd_is_mapped_onto_zerompi_s_sgd(main_run: tuple[Path, dict[str, 
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind", ["adafactor", "adam8bit", "muon"])
+def test_adafactor_8bit_adamw_and_muon_are_mapped(
+    main_run: tuple[Path, dict[str, Any]], kind: str
+) -> None:  # fmt: skip
+    """``configure_optimizers`` returning ``torch.optim.Adafactor``, bitsandbytes'
+    ``AdamW8bit`` (a stand-in of its name and defaults) or Keller Jordan's
+    ``MuonWithAuxAdam`` (a stand-in: Muon for the weights, AdamW for the biases, by
+    ``use_muon``), with two groups, a StepLR, clipping and accumulation, trains as
+    ``shard(optimizer=...)`` with those settings does, and not as AdamW would."""
+    _, result = main_run
+    assert result[f"{kind}_rule"] == kind, result
+    assert result[f"{kind}_stage2"] <= TOLERANCE, result
+    assert result[f"{kind}_moved"] > 100 * TOLERANCE, result
+
+
+@pytest.mark.timeout(200)
 def test_checkpoints_are_directories_with_full_weights(
     main_run: tuple[Path, dict[str, Any]],
 ) -> None:

@@ -1,4 +1,4 @@
-"""``zerompi.torch.shard(model, optimizer="sgd" | "lion" | "adafactor", ...)`` against
+"""``zerompi.torch.shard(model, optimizer="sgd" | "lion" | "adafactor" | "muon", ...)`` against
 single-process torch on the whole global batch (:mod:`zerompi.torch.parity`'s model and
 data, two ``backward()`` per step, a ``StepLR``): torch's own ``SGD`` (momentum,
 Nesterov, L2) and ``Adafactor``, and Lion written here from Chen et al. 2023 as a
@@ -239,3 +239,50 @@ def test_muon_through_shard_matches_kellers(comm: MPI.Intracomm, mode: str) -> N
     opt.close()
     worst = max(r for _, r in diffs.values())
     assert_all(worst <= 1e-5, f"worst relative difference {worst:.3g}")
+
+
+def float32_newton_schulz(grad: Any, ns_coefficients: Any, ns_steps: int, eps: float) -> Any:
+    """torch's ``_zeropower_via_newtonschulz`` without its cast to bfloat16."""
+    a, b, c = ns_coefficients
+    x = grad.T if grad.size(0) > grad.size(1) else grad
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("mode", ["1", "3"])
+def test_torch_muon_mapped_as_torch_steps_it(
+    comm: MPI.Intracomm, mode: str, adjust: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """``torch.optim.Muon`` read by :func:`zerompi.torch._mapping.torch_settings` (what
+    Lightning's strategy and the HF Trainer do with it), then zerompi's Muon, against
+    torch's Muon stepping the whole batch (the model's vectors frozen: torch's Muon
+    takes matrices only), its Newton-Schulz patched to run in float32 as zerompi's
+    does (torch casts to bfloat16): within 1e-5, as the other rules."""
+    from zerompi.torch._mapping import torch_settings
+
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", float32_newton_schulz)
+
+    def matrices_only(model: torch.nn.Module) -> torch.nn.Module:
+        for p in model.parameters():
+            p.requires_grad_(p.dim() >= 2)
+        return model
+
+    def muon(model: torch.nn.Module) -> Any:
+        return torch.optim.Muon([p for p in model.parameters() if p.requires_grad], lr=2e-2,
+                                weight_decay=0.05, momentum=0.9, adjust_lr_fn=adjust)  # fmt: skip
+
+    stage, shared = MODES[mode]
+    model = matrices_only(make_model(comm.rank))
+    settings = torch_settings(muon(model), model, "test")
+    model, opt = shard(model, stage=stage, comm=comm, bucket_elems=40, shared_memory=shared,
+                       **settings)  # fmt: skip
+    ref = matrices_only(make_model(0))
+    diffs = train_alongside(model, opt, ref, muon(ref), comm)
+    opt.close()
+    worst = max(r for _, r in diffs.values())
+    assert_all(settings["param_groups"][0]["match_rms"] == (0.2 if adjust != "original" else 0.0)
+               and worst <= 1e-5, f"worst relative difference {worst:.3g}, {settings}")  # fmt: skip

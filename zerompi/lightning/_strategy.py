@@ -2,8 +2,9 @@
 
 One process per rank, started by ``mpiexec``/``srun``: Lightning spawns nothing and
 ``torch.distributed`` is never initialised (no DDP wrapper: zerompi reduces the
-gradients itself). At ``fit`` the strategy reads ``configure_optimizers``' AdamW/Adam/SGD
-and the Trainer's clipping, calls :func:`zerompi.torch.shard` on the LightningModule
+gradients itself). At ``fit`` the strategy reads ``configure_optimizers``' optimizer
+(AdamW, Adam, SGD, Adafactor, Muon, 8-bit AdamW: :mod:`zerompi.torch._mapping`) and the
+Trainer's clipping, calls :func:`zerompi.torch.shard` on the LightningModule
 with those settings (:mod:`._optimizers`), and hands Lightning the
 :class:`zerompi.torch.ShardedOptimizer` and the re-pointed LR schedulers. Lightning's
 collectives (``reduce`` for ``self.log(..., sync_dist=True)``, ``broadcast``,
@@ -41,8 +42,9 @@ from ._optimizers import repoint_schedulers, shard_settings
 #: ``shard()`` settings that come from ``configure_optimizers`` and the Trainer, not
 #: from the strategy's keywords.
 FROM_THE_OPTIMIZER = ("optimizer", "lr", "betas", "eps", "momentum", "dampening", "nesterov",
-                      "weight_decay", "decoupled_weight_decay", "param_groups",
-                      "max_norm")  # fmt: skip
+                      "weight_decay", "decoupled_weight_decay", "param_groups", "max_norm",
+                      "beta2_decay", "eps1", "eps2", "d", "muon_momentum", "muon_nesterov",
+                      "ns_steps", "match_rms")  # fmt: skip
 
 
 class ZeroMPIPrecision(Precision):
