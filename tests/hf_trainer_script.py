@@ -26,6 +26,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from standins import MuonWithAuxAdam
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -111,8 +112,18 @@ OTHERS = {
 }  # fmt: skip
 
 
-def plain_loop(stage_settings: dict[str, object],
-               rule: dict[str, object] | None = None) -> tuple[dict, list[float]]:  # fmt: skip
+def muon_groups(named: list[str]) -> tuple[list[bool], list[dict[str, object]]]:
+    """Keller Jordan's split of a GPT-2: Muon for the hidden matrices, AdamW (lr 3e-3)
+    for the embeddings, biases and norms; which parameter is Muon's, and the groups'
+    settings."""
+    muon = [n.endswith(".weight") and ".h." in n and ".ln_" not in n for n in named]
+    return muon, [{"use_muon": True, "lr": 1e-2, "weight_decay": 0.1},
+                  {"use_muon": False, "lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-8,
+                   "weight_decay": 0.0}]
+
+
+def plain_loop(stage_settings: dict[str, object], rule: dict[str, object] | None = None,
+               groups: list[dict] | None = None) -> tuple[dict, list[float]]:  # fmt: skip
     """The same training written by hand: rank r's micro-batch k holds samples
     ``[(k*W + r)*B, +B)`` (sequential order, sliced by rank); the loss is the mean
     over the label tokens of the whole global batch (every rank's micro-batches of
@@ -122,8 +133,8 @@ def plain_loop(stage_settings: dict[str, object],
     model = new_model()
     names = [n for n, _ in model.named_parameters()]
     no_decay = [n for n in names if n.endswith(".bias") or ".ln_" in n]
-    groups = [{"params": [n for n in names if n not in no_decay], "weight_decay": 0.1},
-              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+    groups = groups or [{"params": [n for n in names if n not in no_decay], "weight_decay": 0.1},
+                        {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
     optimizer = rule or {"lr": ADAM["learning_rate"], "betas": (0.9, 0.99), "eps": 1e-3,
                          "decoupled_weight_decay": True}  # fmt: skip
     optimizer = {"lr": ADAM["learning_rate"], **optimizer}
@@ -204,6 +215,24 @@ def refused(out: str) -> list[str]:
     return comm.allgather("no error")
 
 
+def refused_given(out: str) -> list[list[str]]:
+    """Every rank's errors for an optimizer with its own scheduler, and for one zerompi
+    does not step."""
+    errors = []
+    for keywords in ({"scheduler": True}, {"optimizer": "rmsprop"}):
+        model = new_model()
+        opt = (torch.optim.RMSprop if "optimizer" in keywords else torch.optim.AdamW)(
+            model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1) if "scheduler" in keywords else None
+        try:
+            ZeroMPITrainer(model=model, args=arguments(out), train_dataset=Tokens(),
+                           optimizers=(opt, sched))  # fmt: skip
+            errors.append("no error")
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return comm.allgather(errors)
+
+
 def checkpointed_run(out: str) -> dict[str, torch.Tensor]:
     """STEPS steps at stage 3 in random order, checkpoint-3 saved on the way."""
     args = arguments(out, max_steps=STEPS, save_strategy="steps", save_steps=3)
@@ -241,7 +270,37 @@ def parity(folder: str) -> dict:
         adamw, _ = plain_loop({"stage": 2})
         result[name] = {"diff": max_relative(trained, reference), "rule": kind,
                         "vs_adamw": max_relative(trained, adamw)}  # fmt: skip
+    adamw, _ = plain_loop({"stage": 2})
+    for name in ("adafactor_class", "muon_instance"):  # a torch optimizer zerompi reads
+        model = new_model()
+        names = [n for n, _ in model.named_parameters()]
+        groups = None
+        if name == "adafactor_class":  # built by the trainer over HF's decay groups
+            keywords: dict = {"optimizer_cls_and_kwargs": (torch.optim.Adafactor, {"lr": 1e-2})}
+            rule: dict = {"optimizer": "adafactor", "lr": 1e-2}
+        else:  # the user's own, over their groups
+            muon, (first, second) = muon_groups(names)
+            params = [p for _, p in model.named_parameters()]
+            given = MuonWithAuxAdam([
+                {"params": [p for p, m in zip(params, muon, strict=True) if m], **first},
+                {"params": [p for p, m in zip(params, muon, strict=True) if not m], **second}])
+            keywords = {"optimizers": (given, None)}
+            rule = {"optimizer": "muon"}
+            groups = [{"params": [n for n, m in zip(names, muon, strict=True) if m],
+                       **{k: v for k, v in first.items() if k != "use_muon"}},
+                      {"params": [n for n, m in zip(names, muon, strict=True) if not m],
+                       "muon": False, **{k: v for k, v in second.items() if k != "use_muon"}}]
+        args = arguments(f"{folder}/{name}", train_sampling_strategy="sequential")
+        trainer = ZeroMPITrainer(model=model, args=args, train_dataset=Tokens(), **keywords)
+        trainer.train()
+        trained = parameters(trainer.model, trainer.sharded)
+        kind = trainer.sharded.zero.engine.rule.name
+        trainer.close()
+        reference, _ = plain_loop({"stage": 2}, rule, groups)
+        result[name] = {"diff": max_relative(trained, reference), "rule": kind,
+                        "vs_adamw": max_relative(trained, adamw)}  # fmt: skip
     result["refused"] = refused(f"{folder}/refused")
+    result["refused_given"] = refused_given(f"{folder}/refused_given")
     full = checkpointed_run(f"{folder}/run")
     if comm.rank == 0:
         torch.save(full, f"{folder}/full.pt")

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from mpi4py import MPI
+from standins import AdamW8bit, MuonWithAuxAdam
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -110,36 +111,6 @@ class MLP(pl.LightningModule):
         schedule = {"scheduler": scheduler, "interval": "step"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}
 
-
-class AdamW8bit(torch.optim.Optimizer):
-    """A stand-in for bitsandbytes' ``AdamW8bit`` (its name, module and defaults;
-    bitsandbytes is not installed here): zerompi matches the class by name and reads
-    its groups, it never steps it."""
-
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:  # fmt: skip
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
-                                  "weight_decay": weight_decay})  # fmt: skip
-
-
-AdamW8bit.__module__ = "bitsandbytes.optim.adamw"
-
-
-class MuonWithAuxAdam(torch.optim.Optimizer):
-    """A stand-in for Keller Jordan's ``muon.MuonWithAuxAdam`` (its name, module,
-    groups with ``use_muon`` and their defaults), read by zerompi, never stepped."""
-
-    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
-        for group in param_groups:
-            defaults = ({"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0} if group["use_muon"]
-                        else {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10,
-                              "weight_decay": 0.0})  # fmt: skip
-            for key, value in defaults.items():
-                group.setdefault(key, value)
-        super().__init__(param_groups, {})
-
-
-MuonWithAuxAdam.__module__ = "muon"
 
 #: ``shard()``'s settings of each kind of :class:`MLP`'s optimizer (and its bias group's).
 DIRECT: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {

@@ -44,6 +44,7 @@ from transformers.trainer_utils import has_length
 from .config import ZeroConfig
 from .mpi.collectives import Comm
 from .torch import ShardedOptimizer, shard
+from .torch._mapping import ACCEPTED, rule_of_class, torch_settings
 from .torch._shard import torch_config
 
 __all__ = ["ADAMW_OPTIMS", "OPTIMS", "ZERO_CHECKPOINT", "ZeroMPITrainer",
@@ -149,17 +150,17 @@ def _claim_ranks(rank: int, local: int) -> None:
 
 def _refusals(args: TrainingArguments, keywords: dict[str, Any], config: Any) -> None:
     """Raise on what zerompi does not do (the same on every rank)."""
-    optim = _optim(args)
-    if optim not in OPTIMS:
-        raise ValueError(f"ZeroMPITrainer: optim={optim!r} is not supported: zerompi "
-                         f"steps the optimizer itself (accepted: {', '.join(OPTIMS)})")  # fmt: skip
-    _optim_args(args)  # (malformed: an error here, on every rank)
-    if tuple(keywords.get("optimizers") or (None, None)) != (None, None):
-        raise ValueError("ZeroMPITrainer: optimizers=(...) is not supported: the optimizer "
-                         "is zerompi's, from TrainingArguments, the scheduler HF's")  # fmt: skip
-    if keywords.get("optimizer_cls_and_kwargs") is not None:
-        raise ValueError("ZeroMPITrainer: optimizer_cls_and_kwargs is not supported (zerompi "
-                         "steps the optimizer TrainingArguments.optim names)")  # fmt: skip
+    given, cls_and_kwargs = _given_optimizer(keywords)
+    if given is None and cls_and_kwargs is None:  # (else HF ignores optim too)
+        optim = _optim(args)
+        if optim not in OPTIMS:
+            hint = (" (HF's own Adafactor variant; torch's: optimizer_cls_and_kwargs="
+                    "(torch.optim.Adafactor, {...}))" if optim == "adafactor" else "")  # fmt: skip
+            raise ValueError(f"ZeroMPITrainer: optim={optim!r} is not supported{hint}: zerompi "
+                             f"steps the optimizer itself (accepted: {', '.join(OPTIMS)}; or "
+                             f"one of {ACCEPTED} through optimizers=(optimizer, None) or "
+                             "optimizer_cls_and_kwargs)")  # fmt: skip
+        _optim_args(args)  # (malformed: an error here, on every rank)
     if args.deepspeed or args.fsdp:
         raise ValueError("ZeroMPITrainer: deepspeed/fsdp are other sharding engines; use "
                          "zero_config/stage instead")  # fmt: skip
@@ -171,6 +172,41 @@ def _refusals(args: TrainingArguments, keywords: dict[str, Any], config: Any) ->
     if config is not None and config.param_groups is not None:
         raise ValueError("ZeroMPITrainer: zero_config.param_groups are the trainer's (HF's "
                          "decay groups); override get_decay_parameter_names instead")  # fmt: skip
+
+
+def _given_optimizer(keywords: dict[str, Any]) -> tuple[Any, Any]:
+    """``optimizers=(optimizer, None)``'s optimizer and ``optimizer_cls_and_kwargs``,
+    checked: a class zerompi maps (:mod:`zerompi.torch._mapping`), no scheduler of
+    the user's (HF builds its own over the sharded optimizer), not both."""
+    pair = keywords.get("optimizers") or (None, None)
+    try:
+        given, scheduler = pair
+    except (TypeError, ValueError):
+        raise ValueError(f"ZeroMPITrainer: optimizers must be a pair (optimizer, "
+                         f"lr_scheduler), got {pair!r:.80}") from None  # fmt: skip
+    if scheduler is not None:
+        raise ValueError("ZeroMPITrainer: optimizers=(optimizer, lr_scheduler) with a "
+                         "scheduler is not supported: it drives the torch optimizer, which "
+                         "zerompi only reads; pass (optimizer, None) and HF builds the "
+                         "scheduler TrainingArguments describe over zerompi's")  # fmt: skip
+    if given is not None:
+        rule_of_class(given, "ZeroMPITrainer")
+    cls_and_kwargs = keywords.get("optimizer_cls_and_kwargs")
+    if cls_and_kwargs is not None:
+        if given is not None:
+            raise ValueError("ZeroMPITrainer: optimizers=(optimizer, None) and "
+                             "optimizer_cls_and_kwargs are two optimizers; give one")  # fmt: skip
+        try:
+            cls, kwargs = cls_and_kwargs
+            dict(kwargs)
+        except (TypeError, ValueError):
+            raise ValueError(f"ZeroMPITrainer: optimizer_cls_and_kwargs must be (class, "
+                             f"kwargs), got {cls_and_kwargs!r:.80}") from None  # fmt: skip
+        if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
+            raise TypeError(f"ZeroMPITrainer: optimizer_cls_and_kwargs[0] must be a "
+                            f"torch.optim.Optimizer class, got {cls!r:.80}")  # fmt: skip
+        rule_of_class(cls, "ZeroMPITrainer")
+    return given, cls_and_kwargs
 
 
 def _base_config(config: ZeroConfig | None, stage: int | None) -> ZeroConfig:
@@ -314,9 +350,13 @@ class ZeroMPITrainer(Trainer):
     comm=None)``: every ``Trainer`` argument as usual, plus zerompi's config (stage,
     precision, shared memory, buckets, ...; default :data:`zerompi.torch.TORCH_DEFAULTS`,
     stage 2), ``stage`` over it, and the mpi4py communicator (default
-    ``COMM_WORLD``). The optimizer (AdamW, SGD or Lion: :data:`OPTIMS`) and its
-    settings, the decay groups and ``max_grad_norm`` come from ``args``; another
-    ``optim``, ``optimizers=``, deepspeed, fsdp and fp16 are refused. Build it,
+    ``COMM_WORLD``). The optimizer (AdamW, SGD, Lion or 8-bit AdamW: :data:`OPTIMS`) and
+    its settings, the decay groups and ``max_grad_norm`` come from ``args``; or the
+    optimizer is a torch one zerompi maps (:mod:`zerompi.torch._mapping`: Adafactor,
+    Muon, ...), given as ``optimizers=(optimizer, None)`` (its groups) or
+    ``optimizer_cls_and_kwargs`` (built over HF's decay groups), read, never stepped;
+    another ``optim``, a scheduler in ``optimizers``, deepspeed, fsdp and fp16 are
+    refused. Build it,
     train, save and evaluate alike on every rank: an error found at construction or
     while saving is raised on every rank."""
 
@@ -336,6 +376,12 @@ class ZeroMPITrainer(Trainer):
             if args is None:
                 args = TrainingArguments(output_dir="tmp_trainer", use_cpu=True)
             _refusals(args, trainer_kwargs, zero_config)
+            #: The user's torch optimizer (``optimizers=(optimizer, None)``) or class and
+            #: keywords (``optimizer_cls_and_kwargs``), read at ``create_optimizer``;
+            #: HF never sees them (it would step the torch optimizer).
+            self._given, self._cls_and_kwargs = _given_optimizer(trainer_kwargs)
+            trainer_kwargs.pop("optimizers", None)
+            trainer_kwargs.pop("optimizer_cls_and_kwargs", None)
             self.zero_config = _base_config(zero_config, stage)
             _single_process(args)
             if args.device.type != "cpu":
@@ -356,13 +402,31 @@ class ZeroMPITrainer(Trainer):
                 self.sharded.close()
             if hasattr(target, "num_parameters"):
                 self._counted = target.num_parameters(exclude_embeddings=True)
-            groups = decay_groups(target, set(self.get_decay_parameter_names(target)),
-                                  self.args.weight_decay)  # fmt: skip
-            config = self.zero_config.replace(**optimizer_settings(self.args),
-                                              param_groups=groups)  # fmt: skip
+            config = self.zero_config.replace(**self._settings(target))
             _, self.sharded = shard(target, config, comm=self.comm.mpi)
             self.optimizer = self.sharded
         return self.optimizer
+
+    def _settings(self, model: torch.nn.Module) -> dict[str, Any]:
+        """``shard()``'s optimizer settings: the user's torch optimizer read
+        (:func:`zerompi.torch._mapping.torch_settings`; ``optimizer_cls_and_kwargs``
+        built over HF's decay groups first, as HF does), else ``args.optim``'s with
+        HF's decay groups; ``max_grad_norm`` as ``max_norm`` either way."""
+        decay = set(self.get_decay_parameter_names(model))
+        given = self._given
+        if given is None and self._cls_and_kwargs is not None:
+            cls, kwargs = self._cls_and_kwargs
+            trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in trainable if n in decay],
+                       "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in trainable if n not in decay],
+                       "weight_decay": 0.0}]  # fmt: skip
+            given = cls([g for g in groups if g["params"]], **dict(kwargs))
+        if given is not None:
+            return {**torch_settings(given, model, "ZeroMPITrainer"),
+                    "max_norm": _max_norm(self.args)}  # fmt: skip
+        groups = decay_groups(model, decay, self.args.weight_decay)
+        return {**optimizer_settings(self.args), "param_groups": groups}
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> None:
         """Nothing: zerompi clips the global norm inside its step (``max_norm``); the

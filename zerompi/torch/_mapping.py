@@ -50,9 +50,10 @@ _NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 _NS_EPS = 1e-7
 
 
-def rule_of_class(optimizer: torch.optim.Optimizer, who: str) -> str:
-    """zerompi's rule for ``optimizer``'s class, or a ``TypeError`` naming it."""
-    kind = type(optimizer)
+def rule_of_class(optimizer: torch.optim.Optimizer | type, who: str) -> str:
+    """zerompi's rule for ``optimizer``'s class (or the class given), or a
+    ``TypeError`` naming it."""
+    kind = optimizer if isinstance(optimizer, type) else type(optimizer)
     if kind in TORCH_CLASSES:
         return TORCH_CLASSES[kind]
     key = (kind.__module__.partition(".")[0], kind.__name__)
