@@ -99,6 +99,35 @@ def test_mixed_dtypes_and_empty_shards(comm: MPI.Intracomm, stage: int) -> None:
     opt.close()
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_numpy_loops_give_the_compiled_bits(
+    comm: MPI.Intracomm, stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """The optimizer with its numpy loops (``zerompi.adam.KERNEL = "numpy"``, what a
+    build without a C compiler runs) ends with the compiled loops' bits, parameters
+    and every state, at every world size (the sums are added in one order by both);
+    the matrices are wider than 16 lanes, with tails, and cut by buckets of 100."""
+    from zerompi import adam
+
+    spec = spec_of({**SHAPES, "wide": (13, 150)}, F32)
+    params = make_params(spec)
+    results = []
+    for kernel in ("numpy", adam.KERNEL):
+        monkeypatch.setattr(adam, "KERNEL", kernel)
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=100,
+                            optimizer="adafactor", lr=1e-2, weight_decay=0.1)  # fmt: skip
+        for step in range(3):
+            backward(opt, rank_grads(spec, step, comm.rank), "grads" if stage < 2 else "streamed")
+            opt.step()
+        results.append((opt.full_params(), opt.gather_state()))
+        opt.close()
+    (p0, s0), (p1, s1) = results
+    problems = [n for n in p0 if p0[n].tobytes() != p1[n].tobytes()]
+    problems += [f"{k}[{n}]" for k in s0 for n in s0[k]
+                 if s0[k][n].tobytes() != s1[k][n].tobytes()]  # fmt: skip
+    assert_all(not problems, f"numpy and compiled differ: {problems[:6]}")
+
+
 def test_parameter_groups_and_a_schedule(comm: MPI.Intracomm) -> None:
     """A second group with its own lr, beta2_decay and weight decay, then
     ``set_hyperparameters`` halving both learning rates after two steps, at stages 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -144,3 +145,18 @@ def test_stream_probe_reports_every_ranks_bytes(comm: MPI.Intracomm) -> None:
     assert out["bytes_per_pass"] == 3 * 4 * 4096 * c.size
     assert out["ranks"] == c.size and out["elems"] == 4096 and out["reps"] == 2
     assert out["stream_gbps"] > 0 and out["pass_ms"] > 0
+
+
+@pytest.mark.mpi_skip
+def test_each_rules_update_bytes() -> None:
+    """The update's arrays per element of each rule (float32): Adam 7, SGD and Lion 5
+    (one state), 8-bit Adam 3 and two quarter-size codes plus the block scales,
+    Adafactor 3 and what it must read again (the gradient twice more, the parameters
+    once: its passes need sums over whole parameters first), Muon Adam's."""
+    from zerompi.bench.timing import update_arrays
+    from zerompi.rules import rule_of
+
+    got = {name: update_arrays(rule_of(name).states, np.dtype(np.float32), rule_of(name).rereads)
+           for name in ("adam", "sgd", "lion", "adam8bit", "adafactor", "muon")}  # fmt: skip
+    assert got == {"adam": 7, "sgd": 5, "lion": 5, "adam8bit": 3 + 2 * (0.5 + 2 / 256),
+                   "adafactor": 6, "muon": 7}, got  # fmt: skip

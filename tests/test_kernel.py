@@ -455,3 +455,66 @@ def test_sgd_and_lion_c_refuse_bad_arrays():
         adam._kernels.lion(p, p.copy(), np.zeros(3, np.float32), 0.1, 0.9, 0.99, 0.0, 1.0)
     with pytest.raises(TypeError, match="param must be a writable"):
         adam._kernels.lion(b"abcd", p, p.copy(), 0.1, 0.9, 0.99, 0.0, 1.0)
+
+
+def _factored(dtype: type, rows: int, w: int, seed: int) -> tuple[np.ndarray, ...]:
+    """A rectangle's gradient over a wide range of magnitudes (a NaN, an infinity and
+    a zero among them where it has room), its rows' and columns' states (a zero and
+    a NaN state among them), and a parameter and an update of its size."""
+    rng = np.random.default_rng(seed)
+    g = (rng.standard_normal(rows * w) * np.exp(rng.uniform(-8, 8, rows * w))).astype(dtype)
+    r = np.abs(rng.standard_normal(rows)).astype(dtype)
+    c = np.abs(rng.standard_normal(w)).astype(dtype)
+    if rows * w > 40:
+        g[3], g[7], g[11] = np.nan, np.inf, 0.0
+        r[0], c[-1] = 0.0, np.nan
+    return g, r, c, rng.standard_normal(rows * w).astype(dtype), g[::-1].copy()
+
+
+@needs_c
+@variants
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("rows", "w"), [(1, 1), (1, 15), (3, 16), (4, 33), (7, 100), (2, 300)])
+def test_adafactor_loops_match_numpy_bitwise(variant, dtype, rows, w):
+    """Every compiled variant of Adafactor's loops (zerompi.rules.adafactor: the sums of
+    squares, the rows' and columns' sums of a rectangle, U in place, the update)
+    gives the numpy functions' bits, widths with and without a tail of the 16 lanes,
+    NaN and infinity among the values."""
+    from zerompi.rules import adafactor as af
+
+    chosen = _variant(variant)
+    g, r, c, p, u = _factored(dtype, rows, w, seed=rows * w)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for x in (g, p):
+            got, want = af.sumsq(x, "c", chosen), af.sumsq_numpy(x)
+            assert np.array([got]).tobytes() == np.array([want]).tobytes(), (got, want)
+        got_sums = af.rect_sums(g, rows, "c", chosen)
+        want_sums = af.rect_sums(g, rows, "numpy")
+        for a, b in zip(got_sums, want_sums, strict=True):
+            assert a.tobytes() == b.tobytes()
+        denom, floor = dtype(0.37), dtype(1e-30)
+        got_u, want_u = g.copy(), g.copy()
+        af.rect_u(got_u, r, c, denom, floor, "c", chosen)
+        af.rect_u(want_u, r, c, denom, floor, "numpy")
+        assert got_u.tobytes() == want_u.tobytes()
+        for decay in (None, dtype(0.999)):
+            got_p, want_p = p.copy(), p.copy()
+            af.apply(got_p, u, decay, dtype(-0.01), "c", chosen)
+            af.apply(want_p, u, decay, dtype(-0.01), "numpy")
+            assert got_p.tobytes() == want_p.tobytes(), decay
+
+
+@needs_c
+def test_adafactor_loops_refuse_bad_arrays():
+    """Wrong shapes and dtypes are errors naming the array, not wrong memory."""
+    g = np.zeros(12, np.float32)
+    with pytest.raises(ValueError, match="rows x w elements"):
+        adam._kernels.af_sums(g, 5, np.zeros(5), np.zeros(2))
+    with pytest.raises(ValueError, match="colsum must be 4 float64 elements"):
+        adam._kernels.af_sums(g, 3, np.zeros(3), np.zeros(3))
+    with pytest.raises(ValueError, match="c must be 4 float32 elements"):
+        adam._kernels.af_u(g, np.zeros(3, np.float32), np.zeros(5, np.float32), 1.0, 0.0)
+    with pytest.raises(ValueError, match="r must be float32 elements"):
+        adam._kernels.af_u(g, np.zeros(3), np.zeros(4, np.float32), 1.0, 0.0)
+    with pytest.raises(ValueError, match="u has 8 bytes, param 48"):
+        adam._kernels.af_apply(g, np.zeros(2, np.float32), None, 1.0)

@@ -277,6 +277,67 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
         *sumsq = total;                                                               \
     }
 
+/* Adafactor (zerompi/rules/adafactor.py), over one rectangle of a matrix: `rows` rows of
+ * `w` elements each, row-major and contiguous (parts of rows of a wider matrix come
+ * one row at a time). The numpy functions there compute the same bits:
+ *
+ * AF_SUMS: rowsum[i] = the float64 sum of the squares of row i, in STATS_LOOP's
+ * order (LANES lanes over the whole groups, the tail, then the lanes), and
+ * colsum[j] = the float64 sum of the squares of column j, row after row.
+ * AF_U: g[i][j] = g[i][j] / sqrt(max((r[i] * c[j]) / denom, floor)) in place, in T
+ * (a NaN stays NaN, as numpy's maximum keeps it).
+ * AF_APPLY: p = p * decay (when `decays`), then p = p + u * scale, in T. */
+#define AF_SUMS_LOOP(NAME, ATTR, T)                                                      \
+    ATTR static void NAME(const T *restrict g, Py_ssize_t rows, Py_ssize_t w,             \
+                          double *restrict rowsum, double *restrict colsum) {            \
+        const Py_ssize_t whole = w - w % LANES;                                          \
+        for (Py_ssize_t j = 0; j < w; j++) colsum[j] = 0.0;                              \
+        for (Py_ssize_t i = 0; i < rows; i++) {                                          \
+            const T *restrict r = g + i * w;                                             \
+            double acc[LANES] = {0.0}, total = 0.0;                                      \
+            for (Py_ssize_t j = 0; j < whole; j += LANES)                                \
+                for (int l = 0; l < LANES; l++) {                                        \
+                    const double x = (double)r[j + l];                                   \
+                    const double sq = x * x;                                             \
+                    acc[l] += sq;                                                        \
+                    colsum[j + l] += sq;                                                 \
+                }                                                                        \
+            for (Py_ssize_t j = whole; j < w; j++) {                                     \
+                const double x = (double)r[j];                                           \
+                total += x * x;                                                          \
+                colsum[j] += x * x;                                                      \
+            }                                                                            \
+            for (int l = 0; l < LANES; l++) total += acc[l];                             \
+            rowsum[i] = total;                                                           \
+        }                                                                                \
+    }
+
+#define AF_U_LOOP(NAME, ATTR, T, SQRT)                                                   \
+    ATTR static void NAME(T *restrict g, Py_ssize_t rows, Py_ssize_t w,                   \
+                          const T *restrict r, const T *restrict c, double denom_,       \
+                          double floor_) {                                               \
+        const T denom = (T)denom_, floor = (T)floor_;                                    \
+        for (Py_ssize_t i = 0; i < rows; i++) {                                          \
+            T *restrict gi = g + i * w;                                                  \
+            const T ri = r[i];                                                           \
+            for (Py_ssize_t j = 0; j < w; j++) {                                         \
+                T v = (ri * c[j]) / denom;                                               \
+                v = v < floor ? floor : v;                                               \
+                gi[j] = gi[j] / SQRT(v);                                                 \
+            }                                                                            \
+        }                                                                                \
+    }
+
+#define AF_APPLY_LOOP(NAME, ATTR, T)                                                     \
+    ATTR static void NAME(T *restrict p, const T *restrict u, Py_ssize_t n, int decays,   \
+                          double decay_, double scale_) {                                \
+        const T decay = (T)decay_, scale = (T)scale_;                                    \
+        if (decays)                                                                      \
+            for (Py_ssize_t i = 0; i < n; i++) p[i] = p[i] * decay + u[i] * scale;       \
+        else                                                                             \
+            for (Py_ssize_t i = 0; i < n; i++) p[i] = p[i] + u[i] * scale;               \
+    }
+
 /* out[i] (+)= parts[0][i] + parts[1][i] + ... in that order, in T, and with `stats`
  * the sum of squares of the result in float64 in the same order as STATS_LOOP (so the
  * same bits as grad_stats(out) afterwards), in the same pass: the within-node
@@ -425,6 +486,18 @@ typedef void (*acc_f64_fn)(double *restrict, const uint16_t *restrict, Py_ssize_
 typedef void (*round_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*round_f64_fn)(const double *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*stats_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t *, double *);
+typedef void (*af_sums_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t,
+                               double *restrict, double *restrict);
+typedef void (*af_sums_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t,
+                               double *restrict, double *restrict);
+typedef void (*af_u_f32_fn)(float *restrict, Py_ssize_t, Py_ssize_t, const float *restrict,
+                            const float *restrict, double, double);
+typedef void (*af_u_f64_fn)(double *restrict, Py_ssize_t, Py_ssize_t, const double *restrict,
+                            const double *restrict, double, double);
+typedef void (*af_apply_f32_fn)(float *restrict, const float *restrict, Py_ssize_t, int, double,
+                                double);
+typedef void (*af_apply_f64_fn)(double *restrict, const double *restrict, Py_ssize_t, int,
+                                double, double);
 typedef void (*stats_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t *, double *);
 typedef void (*sum_f32_fn)(float *, float *const *, int, Py_ssize_t, int, int, int,
                            Py_ssize_t *, double *);
@@ -451,6 +524,12 @@ typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int,
     ACCUMULATE_LOOP(acc_double_f16_##SUFFIX, ATTR, double, f16_to_f32)        \
     STATS_LOOP(stats_float_##SUFFIX, ATTR, float)                             \
     STATS_LOOP(stats_double_##SUFFIX, ATTR, double)                           \
+    AF_SUMS_LOOP(af_sums_float_##SUFFIX, ATTR, float)                         \
+    AF_SUMS_LOOP(af_sums_double_##SUFFIX, ATTR, double)                       \
+    AF_U_LOOP(af_u_float_##SUFFIX, ATTR, float, sqrtf)                        \
+    AF_U_LOOP(af_u_double_##SUFFIX, ATTR, double, sqrt)                       \
+    AF_APPLY_LOOP(af_apply_float_##SUFFIX, ATTR, float)                       \
+    AF_APPLY_LOOP(af_apply_double_##SUFFIX, ATTR, double)                     \
     SUM_LOOP(sum_float_##SUFFIX, ATTR, float)                                 \
     SUM_LOOP(sum_double_##SUFFIX, ATTR, double)                               \
     ADAM8_LOOP(adam8_float_##SUFFIX, ATTR)
@@ -474,6 +553,12 @@ static lion_f32_fn lion_float_v[N_VARIANTS];
 static lion_f64_fn lion_double_v[N_VARIANTS];
 static stats_f32_fn stats_float_v[N_VARIANTS];
 static stats_f64_fn stats_double_v[N_VARIANTS];
+static af_sums_f32_fn af_sums_float_v[N_VARIANTS];
+static af_sums_f64_fn af_sums_double_v[N_VARIANTS];
+static af_u_f32_fn af_u_float_v[N_VARIANTS];
+static af_u_f64_fn af_u_double_v[N_VARIANTS];
+static af_apply_f32_fn af_apply_float_v[N_VARIANTS];
+static af_apply_f64_fn af_apply_double_v[N_VARIANTS];
 static sum_f32_fn sum_float_v[N_VARIANTS];
 static sum_f64_fn sum_double_v[N_VARIANTS];
 static adam8_fn adam8_float_v[N_VARIANTS];
@@ -505,6 +590,12 @@ static round_f64_fn round_double_v[N_VARIANTS][2];
         round_double_v[V][1] = round_double_f16_##SUFFIX;     \
         stats_float_v[V] = stats_float_##SUFFIX;              \
         stats_double_v[V] = stats_double_##SUFFIX;            \
+        af_sums_float_v[V] = af_sums_float_##SUFFIX;          \
+        af_sums_double_v[V] = af_sums_double_##SUFFIX;        \
+        af_u_float_v[V] = af_u_float_##SUFFIX;                \
+        af_u_double_v[V] = af_u_double_##SUFFIX;              \
+        af_apply_float_v[V] = af_apply_float_##SUFFIX;        \
+        af_apply_double_v[V] = af_apply_double_##SUFFIX;      \
         sum_float_v[V] = sum_float_##SUFFIX;                  \
         sum_double_v[V] = sum_double_##SUFFIX;                \
         adam8_float_v[V] = adam8_float_##SUFFIX;              \
@@ -997,6 +1088,151 @@ grad_stats(PyObject *self, PyObject *args, PyObject *kwargs)
     return Py_BuildValue("(nd)", bad, total);
 }
 
+PyDoc_STRVAR(af_sums_doc,
+"af_sums(g, rows, rowsum, colsum, *, variant=None)\n\n"
+"Adafactor's statistics of a rectangle: g a contiguous float32/float64 array of\n"
+"rows x w elements (row-major); rowsum (rows) and colsum (w) contiguous float64\n"
+"arrays, overwritten with the float64 sums of the squares of each row (in\n"
+"grad_stats' order) and of each column (row after row).");
+
+static PyObject *
+af_sums(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"g", "rows", "rowsum", "colsum", "variant", NULL};
+    PyObject *objs[3];
+    Py_ssize_t rows;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnOO|$z", kwlist, &objs[0], &rows,
+                                     &objs[1], &objs[2], &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
+    Py_buffer g, rs, cs;
+    if (get_vector(objs[0], &g, 0, "g") < 0) return NULL;
+    const char kind = element_kind(&g);
+    const Py_ssize_t n = g.len / (g.itemsize ? g.itemsize : 1);
+    if (!kind || rows <= 0 || n % rows) {
+        PyErr_Format(PyExc_ValueError, "g must be float32/float64 of rows x w elements, got "
+                     "format '%s', %zd elements, rows=%zd", g.format, n, rows);
+        PyBuffer_Release(&g);
+        return NULL;
+    }
+    const Py_ssize_t w = n / rows;
+    if (get_typed(objs[1], &rs, rows, 'd', 8, 1, "rowsum", "float64") < 0) {
+        PyBuffer_Release(&g);
+        return NULL;
+    }
+    if (get_typed(objs[2], &cs, w, 'd', 8, 1, "colsum", "float64") < 0) {
+        PyBuffer_Release(&g);
+        PyBuffer_Release(&rs);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (kind == 'f')
+        af_sums_float_v[variant](g.buf, rows, w, rs.buf, cs.buf);
+    else
+        af_sums_double_v[variant](g.buf, rows, w, rs.buf, cs.buf);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&rs);
+    PyBuffer_Release(&cs);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(af_u_doc,
+"af_u(g, r, c, denom, floor, *, variant=None)\n\n"
+"Adafactor's update of a rectangle in place: g (rows x w elements, row-major,\n"
+"contiguous float32/float64) becomes g / sqrt(max((r[i] * c[j]) / denom, floor)),\n"
+"r (rows) and c (w) of g's dtype, in that dtype.");
+
+static PyObject *
+af_u(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"g", "r", "c", "denom", "floor", "variant", NULL};
+    PyObject *objs[3];
+    double denom, floor_;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOdd|$z", kwlist, &objs[0], &objs[1],
+                                     &objs[2], &denom, &floor_, &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
+    Py_buffer g, r, c;
+    if (get_vector(objs[0], &g, 1, "g") < 0) return NULL;
+    const char kind = element_kind(&g);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "g must be float32 or float64, got format '%s'", g.format);
+        PyBuffer_Release(&g);
+        return NULL;
+    }
+    const Py_ssize_t size = kind == 'f' ? 4 : 8, n = g.len / size;
+    const char *what = kind == 'f' ? "float32" : "float64";
+    if (get_typed(objs[1], &r, -1, kind, size, 0, "r", what) < 0) {
+        PyBuffer_Release(&g);
+        return NULL;
+    }
+    const Py_ssize_t rows = r.len / size;
+    if (get_typed(objs[2], &c, rows ? n / rows : -1, kind, size, 0, "c", what) < 0) {
+        PyBuffer_Release(&g);
+        PyBuffer_Release(&r);
+        return NULL;
+    }
+    const Py_ssize_t w = c.len / size;
+    if (rows * w != n) {
+        PyErr_Format(PyExc_ValueError, "g must be len(r) x len(c) = %zd x %zd elements, got %zd",
+                     rows, w, n);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        if (kind == 'f')
+            af_u_float_v[variant](g.buf, rows, w, r.buf, c.buf, denom, floor_);
+        else
+            af_u_double_v[variant](g.buf, rows, w, r.buf, c.buf, denom, floor_);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&r);
+    PyBuffer_Release(&c);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(af_apply_doc,
+"af_apply(param, u, decay, scale, *, variant=None)\n\n"
+"param = param * decay + u * scale in place (decay None: param + u * scale), in\n"
+"param's dtype; param and u contiguous float32/float64 arrays of one dtype and\n"
+"length.");
+
+static PyObject *
+af_apply(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"param", "u", "decay", "scale", "variant", NULL};
+    PyObject *objs[2], *decay_obj;
+    double scale;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOd|$z", kwlist, &objs[0], &objs[1],
+                                     &decay_obj, &scale, &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
+    const int decays = decay_obj != Py_None;
+    const double decay = decays ? PyFloat_AsDouble(decay_obj) : 1.0;
+    if (decays && decay == -1.0 && PyErr_Occurred()) return NULL;
+    static const char *const names[2] = {"param", "u"};
+    Py_buffer views[2];
+    const char kind = get_update_arrays(objs, views, 2, names);
+    if (!kind) return NULL;
+    const Py_ssize_t n = views[0].len / views[0].itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    if (kind == 'f')
+        af_apply_float_v[variant](views[0].buf, views[1].buf, n, decays, decay, scale);
+    else
+        af_apply_double_v[variant](views[0].buf, views[1].buf, n, decays, decay, scale);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&views[0]);
+    PyBuffer_Release(&views[1]);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(sum_parts_doc,
 "sum_parts(out, parts, add, stats, *, clear=False, variant=None) -> (nonfinite, sumsq) or None\n\n"
 "out[i] = parts[0][i] + parts[1][i] + ... (add false) or out[i] + parts[0][i] + ...\n"
@@ -1199,6 +1435,10 @@ static PyMethodDef methods[] = {
     {"sum_parts", (PyCFunction)(void (*)(void))sum_parts, METH_VARARGS | METH_KEYWORDS,
      sum_parts_doc},
     {"adam8", (PyCFunction)(void (*)(void))adam8, METH_VARARGS | METH_KEYWORDS, adam8_doc},
+    {"af_sums", (PyCFunction)(void (*)(void))af_sums, METH_VARARGS | METH_KEYWORDS, af_sums_doc},
+    {"af_u", (PyCFunction)(void (*)(void))af_u, METH_VARARGS | METH_KEYWORDS, af_u_doc},
+    {"af_apply", (PyCFunction)(void (*)(void))af_apply, METH_VARARGS | METH_KEYWORDS,
+     af_apply_doc},
     {"variants", variants, METH_NOARGS, variants_doc},
     {"compiled", compiled, METH_NOARGS, compiled_doc},
     {NULL, NULL, 0, NULL},

@@ -249,7 +249,9 @@ class ReferenceAdafactor:
     states, each flat by dtype name in the parameters' order, as
     ``optimizer="adafactor"`` lays them out. The sums over whole parameters are
     float64, added over pieces of 65536 elements in order
-    (:func:`zerompi.rules.adafactor.chunks`), as the optimizer adds them."""
+    (:func:`zerompi.rules.adafactor.chunks`, :func:`~zerompi.rules.adafactor.rects`),
+    each in a fixed order (:func:`zerompi.rules.adafactor.sumsq_numpy`), as the
+    optimizer adds them."""
 
     def __init__(
         self, params: Mapping[str, np.ndarray], *, lr: float = 1e-2, beta2_decay: float = -0.8,
@@ -294,10 +296,10 @@ class ReferenceAdafactor:
             if p.ndim >= 2:
                 n, m = p.shape[-2], p.shape[-1]
                 g3 = g.reshape(-1, n, m)
-                sq = g3.astype(np.float64) ** 2
+                row_sq, col_sq = self._factored_sums(g, n, m)
                 rows, cols = self.rows[name], self.cols[name]
-                rows[...] = rows * keep + (sq.sum(axis=2) / m).astype(p.dtype) * w
-                cols[...] = cols * keep + (sq.sum(axis=1) / n).astype(p.dtype) * w
+                rows[...] = rows * keep + (row_sq / m).astype(p.dtype) * w
+                cols[...] = cols * keep + (col_sq / n).astype(p.dtype) * w
                 u = np.empty_like(g3)
                 for k in range(g3.shape[0]):
                     denom = max(dt(np.mean(rows[k])), dt(eps1))
@@ -314,13 +316,30 @@ class ReferenceAdafactor:
 
     @staticmethod
     def _sumsq(x: np.ndarray) -> float:
-        from .rules.adafactor import chunks
+        """``sum(x^2)`` in float64: over pieces of 65536 elements, each summed in
+        :func:`zerompi.rules.adafactor.sumsq_numpy`'s order, in turn."""
+        from .rules.adafactor import chunks, sumsq_numpy
 
         total = 0.0
         for a, b in chunks(0, x.size):
-            x64 = x[a:b].astype(np.float64)
-            total += float(np.dot(x64, x64))
+            total += sumsq_numpy(x[a:b])
         return total
+
+    @staticmethod
+    def _factored_sums(g: np.ndarray, n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """The float64 sums of ``G^2`` of every row and column of each ``n x m``
+        matrix of the flat ``g``: over the rectangles of
+        :func:`zerompi.rules.adafactor.rects` (at most 65536 elements, or one row), each
+        summed as :func:`zerompi.rules.adafactor.rect_sums` sums, added in turn."""
+        from .rules.adafactor import rect_sums, rects
+
+        count = g.size // (n * m)
+        rows, cols = np.zeros((count, n)), np.zeros((count, m))
+        for k, i0, i1, j0, j1, at in rects(0, g.size, n, m):
+            row_sums, col_sums = rect_sums(g[at : at + (i1 - i0) * (j1 - j0)], i1 - i0, "numpy")
+            rows[k, i0:i1] += row_sums
+            cols[k, j0:j1] += col_sums
+        return rows, cols
 
     @property
     def states(self) -> dict[str, dict[str, np.ndarray]]:

@@ -113,8 +113,10 @@ def floor_bytes(row: Mapping[str, Any]) -> dict[str, int]:
       ``s``; 0 where the reduction's pass computes them (``stats_fused``: one node,
       the reduction through node memory, :mod:`zerompi.nodesum`).
     * ``adam`` (the update): read param, grad, m, v and write param, m, v, ``7*s``
-      for Adam (``update_arrays``: ``3 + 2 * states``, 5 for SGD and Lion), plus ``p``
-      when the update also writes the 16-bit copy of the parameters (``p != s``).
+      for Adam (``update_arrays``: ``3 + 2 * states``, 5 for SGD and Lion, plus the
+      arrays a rule must read again: 6 for Adafactor, which reads the gradient three
+      times and the parameters twice), plus ``p`` when the update also writes the
+      16-bit copy of the parameters (``p != s``).
     * ``gather``: stages 1-2 copy the other ranks' parts into this rank's full copy,
       ``(W-1) * (p + p)`` (read and write); 0 with ``node_shared`` (one copy per
       node, Adam writes it in place), and 0 at stage 0 (no gather) and stage 3

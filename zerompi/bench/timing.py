@@ -36,14 +36,15 @@ T = TypeVar("T")
 ADAM_ARRAYS = 7
 
 
-def update_arrays(states: Sequence[StateKind], dtype: np.dtype) -> float:
+def update_arrays(states: Sequence[StateKind], dtype: np.dtype, rereads: int = 0) -> float:
     """Arrays of the master ``dtype`` an update rule with ``states`` reads or writes
     per element: param, grad and the states read, param and the states written (a
     state of another dtype, or with one entry per block, counted by its bytes: 8-bit
-    Adam's codes a quarter each, its scales 1/256)."""
+    Adam's codes a quarter each, its scales 1/256), and the ``rereads`` its data flow
+    needs (:attr:`zerompi.rules.Rule.rereads`)."""
     state_bytes = sum(k.storage(dtype).itemsize / (k.block or 1) for k in states
                       if k.per in ("element", "block"))  # (rows, columns: negligible)
-    arrays = 3 + 2 * state_bytes / dtype.itemsize
+    arrays = 3 + rereads + 2 * state_bytes / dtype.itemsize
     return int(arrays) if arrays == int(arrays) else arrays
 #: Per stage: (reduction passes, gather passes) over the P parameters in one step.
 PASSES = {0: (2, 0), 1: (1, 1), 2: (1, 1), 3: (1, 2)}
@@ -161,7 +162,7 @@ def bench_stage(
         sent["allgather"].append(traffic.get("allgather", {}).get("sent", 0))
     local = params if stage == 0 else sum(opt.layout.shard_sizes.values())
     rule = opt.engine.rule
-    arrays = update_arrays(rule.states, dtype)
+    arrays = update_arrays(rule.states, dtype, rule.rereads)
     buckets = len(opt.layout.buckets)
     opt.close()
     del opt

@@ -30,7 +30,8 @@ import numpy as np
 
 from ..adam import finite_real
 from ..buffers import StateKind
-from .base import Piece, Rule, World, write_low
+from .base import Piece, Rule, World, blocks, compiled, write_low
+from .base import kernels as _kernels
 
 #: Elements a temporary of the step holds at most: a parameter is processed in pieces
 #: cut at the multiples of this many of its elements (:func:`chunks`), whatever part
@@ -45,10 +46,91 @@ def chunks(a: int, b: int) -> Iterator[tuple[int, int]]:
         yield max(a, k * CHUNK), min(b, (k + 1) * CHUNK)
 
 
-def sumsq(x: np.ndarray) -> float:
-    """``sum(x^2)`` in float64 (the float64 copy is at most :data:`CHUNK` long)."""
-    x64 = x.astype(np.float64)
-    return float(np.dot(x64, x64))
+#: Partial sums a sum of squares keeps (the compiled loop's vector lanes).
+LANES = 16
+
+
+def sumsq(x: np.ndarray, kernel: str | None = None, variant: str | None = None) -> float:
+    """``sum(x^2)`` in float64 in one fixed order (:func:`sumsq_numpy`'s), from the
+    compiled loop where there is one (``kernel``/``variant``: the rule's)."""
+    chosen = compiled(kernel, variant, x)
+    if chosen is not None:
+        return float(_kernels().grad_stats(x, variant=chosen or None)[1])
+    return sumsq_numpy(x)
+
+
+def sumsq_numpy(x: np.ndarray) -> float:
+    """``sum(x^2)`` in float64: :data:`LANES` partial sums over the whole groups of
+    :data:`LANES` elements (lane ``l`` adds elements ``l, l + LANES, ...`` in turn),
+    then the elements after them one by one, then the lanes in order: the compiled
+    loop's order (``grad_stats``), so both give the same bits. ``x`` is at most
+    :data:`CHUNK` long (the float64 copy)."""
+    sq = x.astype(np.float64)
+    np.multiply(sq, sq, out=sq)
+    whole = sq.shape[0] - sq.shape[0] % LANES
+    total = 0.0
+    for value in sq[whole:].tolist():
+        total += value
+    if whole:
+        for value in sq[:whole].reshape(-1, LANES).sum(axis=0).tolist():
+            total += value
+    return total
+
+
+def rect_sums(g: np.ndarray, rows: int, kernel: str | None = None,
+              variant: str | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The float64 sums of the squares of each row (in :func:`sumsq_numpy`'s order)
+    and of each column (row after row) of a rectangle: ``g`` flat, ``rows`` rows."""
+    w = g.shape[0] // rows
+    chosen = compiled(kernel, variant, g)
+    if chosen is not None:
+        row_sums, col_sums = np.empty(rows), np.empty(w)
+        _kernels().af_sums(g, rows, row_sums, col_sums, variant=chosen or None)
+        return row_sums, col_sums
+    sq = g.astype(np.float64).reshape(rows, w)
+    np.multiply(sq, sq, out=sq)
+    whole = w - w % LANES
+    row_sums = np.zeros(rows)
+    for j in range(whole, w):
+        row_sums += sq[:, j]
+    if whole:
+        lanes = sq[:, :whole].reshape(rows, -1, LANES).sum(axis=1)
+        for lane in range(LANES):
+            row_sums += lanes[:, lane]
+    return row_sums, sq.sum(axis=0)
+
+
+def rect_u(g: np.ndarray, r: np.ndarray, c: np.ndarray, denom: Any, floor: Any,
+           kernel: str | None = None, variant: str | None = None) -> None:  # fmt: skip
+    """``U = G / sqrt(max(r c^T / denom, floor))`` of a rectangle (``g`` flat, row-major,
+    ``len(r)`` rows of ``len(c)``), in place, in ``g``'s dtype."""
+    chosen = compiled(kernel, variant, g, r, c)
+    if chosen is not None:
+        _kernels().af_u(g, r, c, float(denom), float(floor), variant=chosen or None)
+        return
+    v = np.outer(r, c)
+    v /= denom
+    np.maximum(v, floor, out=v)
+    np.sqrt(v, out=v)
+    g2 = g.reshape(v.shape)
+    np.divide(g2, v, out=g2)
+
+
+def apply(p: np.ndarray, u: np.ndarray, decay: Any, scale: Any, kernel: str | None = None,
+          variant: str | None = None) -> None:  # fmt: skip
+    """``p = p * decay + u * scale`` in place (``decay`` None: ``p + u * scale``), in
+    ``p``'s dtype (``decay`` and ``scale`` of it): the compiled loop, or numpy over
+    pieces of :data:`CHUNK`."""
+    chosen = compiled(kernel, variant, p, u)
+    if chosen is not None:
+        _kernels().af_apply(p, u, None if decay is None else float(decay), float(scale),
+                            variant=chosen or None)  # fmt: skip
+        return
+    for lo, hi in blocks(p.shape[0], CHUNK):
+        part = p[lo:hi]
+        if decay is not None:
+            part *= decay
+        part += u[lo:hi] * scale
 
 
 @dataclass(frozen=True)
@@ -145,6 +227,10 @@ class Adafactor(Rule):
     settings = ("lr", "beta2_decay", "eps1", "eps2", "d", "weight_decay")
     reads = ("beta2_decay", "eps1", "eps2", "d")
     prepares = True
+    #: The gradient read three times (its rows' and columns' sums, then ``sum(U^2)``,
+    #: then the update) and the parameters twice (``RMS(X)``, then the update): each
+    #: pass needs sums over whole parameters that the one before it gave.
+    rereads = 3
 
     def base(self, config: Any) -> AdafactorConfig:
         return AdafactorConfig(config.lr, config.beta2_decay, config.eps1, config.eps2,
@@ -159,9 +245,11 @@ class Adafactor(Rule):
     def before(self, pieces: list[Piece], step: int, world: World) -> Tensors:
         """The statistics over whole parameters, in two allreduces: the rows' and
         columns' sums of ``G^2`` and ``sum(X^2)``, then ``sum(U^2)``; the rows' and
-        columns' states and the vectors' updated on the way. Divides the gradients by
-        the divisor in place. Returns the parameters this rank updates by offset."""
+        columns' states and the vectors' updated on the way, and ``U`` written over
+        the gradient (after dividing it by the divisor), which :meth:`update` reads.
+        Returns the parameters this rank updates by offset."""
         params, reduce = world.layout.params, world.reduce
+        kernel, variant = self.kernel, self.variant
         tensors: Tensors = {}
         for piece in pieces:
             np.divide(piece.grad, piece.divisor, out=piece.grad)
@@ -173,20 +261,19 @@ class Adafactor(Rule):
             for t, lo, hi in _counted(piece, tensors):
                 for a, b in chunks(lo - t.offset, hi - t.offset):
                     at = t.offset + a - piece.offset
-                    first[layout.sumsq[t.key]] += sumsq(piece.param[at : at + b - a])
+                    first[layout.sumsq[t.key]] += sumsq(piece.param[at : at + b - a], kernel,
+                                                        variant)  # fmt: skip
                 if t.matrices:
                     n, m = t.shape[-2], t.shape[-1]
                     rows, cols = layout.rows[t.key], layout.cols[t.key]
                     g = piece.grad[lo - piece.offset : hi - piece.offset]
                     for k, i0, i1, j0, j1, at in rects(lo - t.offset, hi - t.offset, n, m):
-                        part = g[at : at + (i1 - i0) * (j1 - j0)].reshape(i1 - i0, j1 - j0)
-                        sq = part.astype(np.float64) ** 2  # (a rectangle: <= CHUNK)
-                        first[rows + k * n + i0 : rows + k * n + i1] += sq.sum(axis=1)
-                        first[cols + k * m + j0 : cols + k * m + j1] += sq.sum(axis=0)
+                        part = g[at : at + (i1 - i0) * (j1 - j0)]  # (a rectangle)
+                        row_sums, col_sums = rect_sums(part, i1 - i0, kernel, variant)
+                        first[rows + k * n + i0 : rows + k * n + i1] += row_sums
+                        first[cols + k * m + j0 : cols + k * m + j1] += col_sums
         reduce(first)
-        # 2. the states of the rows, columns (every matrix this rank holds) and vectors,
-        # then sum(U^2)
-        second = np.zeros(len(layout.index), np.float64)
+        # 2. the states of the rows, columns (every matrix this rank holds) and vectors
         for t in tensors.values():
             c = t.config
             dt = np.dtype(t.dtype).type
@@ -213,59 +300,65 @@ class Adafactor(Rule):
                     g = piece.grad[lo - piece.offset : hi - piece.offset]
                     v = t.vector[lo - t.vector_at : hi - t.vector_at]
                     c, dt = t.config, g.dtype.type
-                    v *= dt(1.0 - float(step) ** c.beta2_decay)
-                    v += (g * g) * dt(float(step) ** c.beta2_decay)
+                    for a, b in blocks(hi - lo, CHUNK):
+                        v[a:b] *= dt(1.0 - float(step) ** c.beta2_decay)
+                        v[a:b] += (g[a:b] * g[a:b]) * dt(float(step) ** c.beta2_decay)
+        # 3. U over everything the rank updates, over the gradient; sum(U^2) of what it
+        # counts (the pieces of the counted elements are those of the held ones)
+        second = np.zeros(len(layout.index), np.float64)
         for piece in pieces:
-            for t, lo, hi in _counted(piece, tensors):
+            c_lo, c_hi = piece.offset + piece.counted[0], piece.offset + piece.counted[1]
+            for t, lo, hi in _held(piece, tensors):
+                index = layout.index[t.key]
                 for a, b in chunks(lo - t.offset, hi - t.offset):
                     at = t.offset + a - piece.offset
-                    u = _u(t, piece.grad[at : at + b - a], t.offset + a)
-                    second[layout.index[t.key]] += sumsq(u)
+                    self._u(t, piece.grad[at : at + b - a], t.offset + a)
+                    ca, cb = max(t.offset + a, c_lo), min(t.offset + b, c_hi)
+                    if cb > ca:
+                        counted = piece.grad[ca - piece.offset : cb - piece.offset]
+                        second[index] += sumsq(counted, kernel, variant)
         reduce(second)
         for t in tensors.values():
             rms_u = math.sqrt(second[layout.index[t.key]] / t.size)
             t.scale = -t.alpha / max(1.0, rms_u / t.config.d)
         return tensors
 
+    def _u(self, t: _Tensor, g: np.ndarray, first: int) -> None:
+        """``U = G / sqrt(max(V, eps1^2))`` of elements ``first ...`` of the flat
+        parameters (``g`` the averaged gradient there, at most :data:`CHUNK` long),
+        in place."""
+        dt = g.dtype.type
+        eps1 = t.config.eps1 if t.config.eps1 is not None else float(np.finfo(g.dtype).eps)
+        floor = dt(eps1 * eps1)
+        if t.vector is not None:
+            v = t.vector[first - t.vector_at : first - t.vector_at + g.shape[0]]
+            d = np.maximum(v, floor)
+            np.sqrt(d, out=d)
+            np.divide(g, d, out=g)
+            return
+        n, m = t.shape[-2], t.shape[-1]
+        for k, i0, i1, j0, j1, at in rects(first - t.offset, first - t.offset + g.shape[0], n, m):
+            mat = t.matrices[k]
+            denom = max(mat.mean, dt(eps1))
+            rect_u(g[at : at + (i1 - i0) * (j1 - j0)], mat.rows[i0:i1], mat.cols[j0:j1], denom,
+                   floor, self.kernel, self.variant)  # fmt: skip
+
     def update(
         self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
         config: Any, scratch: np.ndarray, divisor: float, low: np.ndarray | None,
         stochastic: tuple[int, int] | None, offset: int = 0, context: Any = None,
     ) -> None:  # fmt: skip
-        """``X *= 1 - lr * weight_decay``, then ``X += scale * U``; the gradient was
-        averaged by :meth:`before`."""
-        tensors: dict[tuple[str, int], _Tensor] = context
+        """``X = X * (1 - lr * weight_decay) + scale * U``, ``U`` in ``grad``
+        (:meth:`before`)."""
+        tensors: Tensors = context
         n = param.shape[0]
         dt = param.dtype.type
         for t in _overlapping(tensors, param.dtype, offset, offset + n):
-            lo, hi = max(t.offset, offset), min(t.offset + t.size, offset + n)
-            for a, b in chunks(lo - t.offset, hi - t.offset):
-                at = t.offset + a - offset
-                p = param[at : at + b - a]
-                if t.config.weight_decay:
-                    p *= dt(1.0 - t.config.lr * t.config.weight_decay)
-                p += _u(t, grad[at : at + b - a], t.offset + a) * dt(t.scale)
+            lo, hi = max(t.offset, offset) - offset, min(t.offset + t.size, offset + n) - offset
+            c = t.config
+            decay = dt(1.0 - c.lr * c.weight_decay) if c.weight_decay else None
+            apply(param[lo:hi], grad[lo:hi], decay, dt(t.scale), self.kernel, self.variant)
         write_low(param, low, stochastic, 0)
-
-
-def _u(t: _Tensor, g: np.ndarray, first: int) -> np.ndarray:
-    """``U = G / sqrt(max(V, eps1^2))`` of elements ``first ...`` of the flat
-    parameters (``g`` the averaged gradient there), a new array."""
-    eps1 = t.config.eps1 if t.config.eps1 is not None else float(np.finfo(g.dtype).eps)
-    floor = g.dtype.type(eps1 * eps1)
-    if t.vector is not None:
-        v = t.vector[first - t.vector_at : first - t.vector_at + g.shape[0]]
-        return g / np.sqrt(np.maximum(v, floor))
-    n, m = t.shape[-2], t.shape[-1]
-    out = np.empty_like(g)
-    for k, i0, i1, j0, j1, at in rects(first - t.offset, first - t.offset + g.shape[0], n, m):
-        mat = t.matrices[k]
-        denom = max(mat.mean, g.dtype.type(eps1))
-        v = np.outer(mat.rows[i0:i1], mat.cols[j0:j1]) / denom
-        size = (i1 - i0) * (j1 - j0)
-        out[at : at + size] = (g[at : at + size].reshape(v.shape)
-                               / np.sqrt(np.maximum(v, floor))).reshape(-1)  # fmt: skip
-    return out
 
 
 class _Stats:

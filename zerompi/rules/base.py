@@ -67,6 +67,11 @@ class Rule(ABC):
     #: their own: the registered rules are shared.
     kernel: str | None = None
     variant: str | None = None
+    #: Whole arrays its data flow must read again, per element, beyond one read of the
+    #: parameters, the gradient and the states (the memory floor of
+    #: :func:`zerompi.bench.floor.floor_bytes` counts them): a rule whose update needs
+    #: sums over whole parameters first reads what they are summed from twice.
+    rereads: ClassVar[int] = 0
     #: The master dtypes it runs on (``None``: any).
     dtypes: ClassVar[tuple[str, ...] | None] = None
     #: Whether it needs statistics over whole parameters before any element is updated
