@@ -342,7 +342,7 @@ def build_engine(
     engine.reducer = _reducer(engine, planned, handed_over, params_arrays)
     if rule.prepares:  # (the configs by parameter follow set_hyperparameters: a view)
         engine.world = World(layout, config.stage, _ConfigOf(engine), comm.sum_inplace,
-                             comm.exchange)  # fmt: skip
+                             comm.exchange, {})  # fmt: skip
     if elastic:
         assert buddies is not None
         from .mpi.ulfm import Exchange

@@ -37,13 +37,15 @@ class World(NamedTuple):
     each parameter's group config by name, and two collectives: ``reduce`` sums a
     small float64 array over the ranks in place; ``exchange(send, send_counts,
     recv, recv_counts)`` is an ``Alltoallv`` with exact counts (elements, per rank in
-    rank order)."""
+    rank order). ``memo``: the engine's dict where a rule keeps what it derived from
+    the layout and the configs (computed at its first step, not at every one)."""
 
     layout: Any
     stage: int
     config_of: Mapping[str, Any]
     reduce: Callable[[np.ndarray], None]
     exchange: Callable[[np.ndarray, Sequence[int], np.ndarray, Sequence[int]], None]
+    memo: dict[Any, Any]
 
 
 class Rule(ABC):

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..adam import AdamConfig, adam_step, finite_real
+from ..adam import BLOCK, AdamConfig, adam_step, finite_real
 from ..buffers import StateKind
 from .adam import betas_of
-from .base import Piece, Rule, World, write_low
+from .base import Piece, Rule, World, blocks, write_low
 
 #: The quintic iteration's coefficients (Keller Jordan's).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -138,11 +138,18 @@ class Muon(Rule):
                 dt = piece.grad.dtype.type
                 g = piece.grad[lo - piece.offset : hi - piece.offset]
                 m = piece.states[0][lo - piece.offset : hi - piece.offset]
-                m += (g - m) * dt(1.0 - c.momentum)
-                if c.nesterov:
-                    g += (m - g) * dt(c.momentum)
-                else:
-                    g[...] = m
+                t = np.empty(min(BLOCK, hi - lo), g.dtype)  # (a block, not the shard)
+                for a, b in blocks(hi - lo, BLOCK):
+                    gb, mb, tb = g[a:b], m[a:b], t[: b - a]
+                    np.subtract(gb, mb, out=tb)  # m += (g - m) * (1 - momentum)
+                    tb *= dt(1.0 - c.momentum)
+                    mb += tb
+                    if c.nesterov:  # g += (m - g) * momentum
+                        np.subtract(mb, gb, out=tb)
+                        tb *= dt(c.momentum)
+                        gb += tb
+                    else:
+                        gb[...] = mb
         owner = owners(matrices, layout.world_size)
         by_dtype: dict[str, list[Any]] = {}
         for dtype in layout.sizes:
@@ -209,65 +216,115 @@ def _overlap(p: Any, first: int, count: int, dtype: np.dtype) -> tuple[int, int]
     return max(p.offset, first), min(p.offset + p.size, first + count)
 
 
+class _Plan(NamedTuple):
+    """One dtype's two exchanges of a step on this rank, from the layout and the
+    matrices' owners alone (made at the first step, kept in the engine's
+    ``World.memo``): this rank's counted parts of the matrices in send order (by
+    owner, then the matrices' order) as global ``(lo, hi)``; where each piece an
+    owned matrix receives goes (``(name, start, stop)`` in the matrix, in receive
+    order: by sending rank, then the matrices' order); what goes back (the same, by
+    receiving rank); this rank's updated parts in receive order; and the counts."""
+
+    sends: list[tuple[int, int]]
+    send_counts: list[int]
+    mine: list[str]
+    pieces: list[tuple[str, int, int]]
+    recv_counts: list[int]
+    back: list[tuple[str, int, int]]
+    back_counts: list[int]
+    gets: list[tuple[int, int]]
+    get_counts: list[int]
+
+
+def _plan(mats: list[tuple[Any, int]], world: World) -> _Plan:
+    """:class:`_Plan` of ``mats`` (``(ParamSpec, owner)``, the matrices' order)."""
+    layout, stage = world.layout, world.stage
+    ranks = range(layout.world_size)
+    me = layout.rank
+    counted = {(r, p.name): _span(layout, stage, r, p, counted=True)
+               for r in ranks for p, _ in mats}  # fmt: skip
+    held = {(r, p.name): _span(layout, stage, r, p, counted=False)
+            for r in ranks for p, _ in mats}  # fmt: skip
+    send_counts = [0] * len(ranks)
+    sends = []
+    for p, q in sorted(mats, key=lambda m: m[1]):
+        lo, hi = counted[me, p.name]
+        if hi > lo:
+            sends.append((lo, hi))
+            send_counts[q] += hi - lo
+    mine = [p for p, q in mats if q == me]
+    pieces, recv_counts = [], []
+    back, back_counts = [], []
+    for r in ranks:
+        got = put = 0
+        for p in mine:
+            lo, hi = counted[r, p.name]
+            if hi > lo:
+                pieces.append((p.name, lo - p.offset, hi - p.offset))
+                got += hi - lo
+            lo, hi = held[r, p.name]
+            if hi > lo:
+                back.append((p.name, lo - p.offset, hi - p.offset))
+                put += hi - lo
+        recv_counts.append(got)
+        back_counts.append(put)
+    gets, get_counts = [], [0] * len(ranks)
+    for r in ranks:
+        for p, q in mats:
+            lo, hi = held[me, p.name]
+            if q == r and hi > lo:
+                gets.append((lo, hi))
+                get_counts[r] += hi - lo
+    return _Plan(sends, send_counts, [p.name for p in mine], pieces, recv_counts, back,
+                 back_counts, gets, get_counts)  # fmt: skip
+
+
 def _orthogonalize(
     pieces: list[Piece], mats: list[tuple[Any, int]], dtype: np.dtype, world: World
 ) -> None:  # fmt: skip
     """Collective: every matrix of ``dtype`` assembled on its owner from the parts the
     ranks count, orthogonalized and scaled there, and returned to every rank for the
     part it updates, written over the gradient."""
-    layout, stage = world.layout, world.stage
-    ranks = range(layout.world_size)
-    me = layout.rank
-
-    def counted(rank: int, p: Any) -> tuple[int, int]:
-        return _span(layout, stage, rank, p, counted=True)
-
-    def held(rank: int, p: Any) -> tuple[int, int]:
-        return _span(layout, stage, rank, p, counted=False)
-
-    # 1. this rank's counted parts to each owner, in the matrices' order
-    send_counts = [0] * len(ranks)
-    sends = []
-    for p, q in sorted(mats, key=lambda m: m[1]):
-        lo, hi = counted(me, p)
-        if hi > lo:
-            sends.append(_grad_view(pieces, dtype, lo, hi))
-        send_counts[q] += max(hi - lo, 0)
-    mine = [p for p, q in mats if q == me]
-    recv_counts = [sum(_len(counted(r, p)) for p in mine) for r in ranks]
-    send = np.concatenate(sends) if sends else np.zeros(0, dtype)
-    recv = np.empty(sum(recv_counts), dtype)
-    world.exchange(send, send_counts, recv, recv_counts)
-    # 2. the owner assembles (rank by rank, each rank's parts in the matrices' order)
-    whole = {p.name: np.empty(p.size, dtype) for p in mine}
+    key = ("muon", dtype.name, tuple((p.name, q) for p, q in mats))
+    plan = world.memo.get(key)
+    if plan is None:
+        plan = world.memo[key] = _plan(mats, world)
+    # 1. this rank's counted parts to each owner
+    send = np.empty(sum(plan.send_counts), dtype)
     at = 0
-    for r in ranks:
-        for p in mine:
-            lo, hi = counted(r, p)
-            if hi > lo:
-                whole[p.name][lo - p.offset : hi - p.offset] = recv[at : at + hi - lo]
-                at += hi - lo
-    for p in mine:
-        rows, cols = matrix_shape(p.shape)
-        c = world.config_of[p.name]
-        o = newton_schulz(whole[p.name].reshape(rows, cols), c.ns_steps)
+    for lo, hi in plan.sends:
+        send[at : at + hi - lo] = _grad_view(pieces, dtype, lo, hi)
+        at += hi - lo
+    recv = np.empty(sum(plan.recv_counts), dtype)
+    world.exchange(send, plan.send_counts, recv, plan.recv_counts)
+    del send
+    # 2. the owner assembles, orthogonalizes and scales each matrix it owns
+    by_name = {p.name: p for p, _ in mats}
+    whole = {name: np.empty(by_name[name].size, dtype) for name in plan.mine}
+    at = 0
+    for name, start, stop in plan.pieces:
+        whole[name][start:stop] = recv[at : at + stop - start]
+        at += stop - start
+    del recv
+    for name in whole:
+        rows, cols = matrix_shape(by_name[name].shape)
+        c = world.config_of[name]
+        o = newton_schulz(whole[name].reshape(rows, cols), c.ns_steps)
         o *= dtype.type(scale_of(c, rows, cols))
-        whole[p.name] = o.reshape(-1)
-    # 3. back: each rank's held part of every matrix this rank owns, in rank order
-    back_counts = [sum(_len(held(r, p)) for p in mine) for r in ranks]
-    back = np.concatenate([whole[p.name][lo - p.offset : hi - p.offset] for r in ranks
-                           for p in mine for lo, hi in (held(r, p),) if hi > lo]
-                          or [np.zeros(0, dtype)])  # fmt: skip
-    got_counts = [sum(_len(held(me, p)) for p, q in mats if q == r) for r in ranks]
-    got = np.empty(sum(got_counts), dtype)
-    world.exchange(back, back_counts, got, got_counts)
+        whole[name] = o.reshape(-1)
+    # 3. back: each rank's held part of every matrix this rank owns
+    back = np.empty(sum(plan.back_counts), dtype)
     at = 0
-    for r in ranks:
-        for p in [p for p, q in mats if q == r]:
-            lo, hi = held(me, p)
-            if hi > lo:
-                _grad_view(pieces, dtype, lo, hi)[...] = got[at : at + hi - lo]
-                at += hi - lo
+    for name, start, stop in plan.back:
+        back[at : at + stop - start] = whole[name][start:stop]
+        at += stop - start
+    del whole
+    got = np.empty(sum(plan.get_counts), dtype)
+    world.exchange(back, plan.back_counts, got, plan.get_counts)
+    at = 0
+    for lo, hi in plan.gets:
+        _grad_view(pieces, dtype, lo, hi)[...] = got[at : at + hi - lo]
+        at += hi - lo
 
 
 def _span(layout: Any, stage: int, rank: int, p: Any, counted: bool) -> tuple[int, int]:
