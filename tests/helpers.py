@@ -428,10 +428,11 @@ def shared_path(directory: Any, comm: MPI.Intracomm, name: str) -> str:
 
 def estimate_problems(
     comm: MPI.Intracomm, layout: list[tuple[str, tuple[int, ...], Any]], optimizer: str,
-    buckets: Iterable[int],
+    buckets: Iterable[int], param_groups: list[dict[str, Any]] | None = None,
 ) -> list[str]:  # fmt: skip
     """Collective: for every stage and ``buckets``, where ``zerompi.memory.estimate``
-    and the optimizer of ``layout`` (zeros) disagree on any buffer or category."""
+    and the optimizer of ``layout`` (zeros; ``param_groups`` given to both) disagree
+    on any buffer or category."""
     from zerompi.memory import estimate
 
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -440,9 +441,10 @@ def estimate_problems(
         for bucket_elems in buckets:
             params = {n: np.zeros(s, d) for n, s, d in layout}
             opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=bucket_elems,
-                                optimizer=optimizer)  # fmt: skip
+                                optimizer=optimizer, param_groups=param_groups)  # fmt: skip
             est = estimate(layout, size, rank, stage, bucket_elems, optimizer=optimizer,
-                           ranks_per_node=max(map(len, opt.nodes.members)))  # fmt: skip
+                           ranks_per_node=max(map(len, opt.nodes.members)),
+                           param_groups=param_groups)  # fmt: skip
             if list(est["buffers"].items()) != list(opt.memory_buffers().items()):
                 problems.append(f"{optimizer} stage {stage} bucket {bucket_elems}: "
                                 f"{est['buffers']} != {opt.memory_buffers()}")  # fmt: skip

@@ -169,9 +169,31 @@ def test_checkpoint_at_another_world_size(mpi_tmp_path: Path) -> None:
 
 
 def test_estimate_equals_the_optimizer(comm: MPI.Intracomm) -> None:
-    layout = [("a", (37, 19), F32), ("b", (5,), F32), ("c", (3, 7, 11), F64)]
+    """The workspace (the parts exchanged, one owned matrix assembled, the
+    Newton-Schulz products of the largest owned) included, with every matrix Muon's
+    and with a group that leaves some to AdamW (which moves the owners)."""
+    layout = [("a", (37, 19), F32), ("b", (5,), F32), ("c", (3, 7, 11), F64),
+              ("d", (40, 3), F32), ("e", (6, 50), F32)]  # fmt: skip
     problems = estimate_problems(comm, layout, "muon", (100,))
+    problems += estimate_problems(comm, layout, "muon", (64,),
+                                  [{"params": ["a", "b"], "muon": False}])  # fmt: skip
     assert_all(not problems, "\n".join(problems[:6]))
+    from zerompi.memory import estimate
+
+    usage = estimate(layout, comm.size, comm.rank, 1, 100, optimizer="muon")["buffers"]
+    assert_all(any(name.startswith("workspace") for name in usage) or comm.size > 5, str(usage))
+
+
+def test_which_matrices_are_muons_is_fixed(comm: MPI.Intracomm) -> None:
+    """``set_hyperparameters(muon=...)`` changing it is an error naming it, on every
+    rank (it decides the owners and the workspace); setting it as it is, is not."""
+    params = {"w": np.zeros((3, 4), np.float32), "b": np.zeros(4, np.float32)}
+    opt = ZeroOptimizer(params, comm=comm, optimizer="muon")
+    assert_raises_all(ValueError, "muon's muon is fixed at construction",
+                      lambda: opt.set_hyperparameters(group=0, muon=False))  # fmt: skip
+    opt.set_hyperparameters(group=0, muon=True, lr=1e-3)
+    assert_all(opt.hyperparameters()["lr"] == 1e-3, str(opt.hyperparameters()))
+    opt.close()
 
 
 def test_settings_are_checked_everywhere(comm: MPI.Intracomm) -> None:

@@ -69,6 +69,9 @@ class Kind(Enum):
     GRADS_FULL = ("grads_full", "communication_buffers", Placement.PRIVATE, False)
     PARAM_BUCKET = ("param_bucket", "communication_buffers", Placement.NODE_COPY, False)
     SCRATCH = ("scratch", "scratch", Placement.PRIVATE, False)
+    #: What an update rule's step works in beyond its states and scratch (Muon's
+    #: exchanged matrices and Newton-Schulz products: :meth:`zerompi.rules.Rule.workspace`).
+    WORKSPACE = ("workspace", "scratch", Placement.PRIVATE, False)
     SNAPSHOT_OWN = ("snapshot_own", "snapshots", Placement.PRIVATE, False)
     SNAPSHOT_HELD = ("snapshot_held", "snapshots", Placement.PRIVATE, False)
     SNAPSHOT_NEXT = ("snapshot_next", "snapshots", Placement.PRIVATE, False)

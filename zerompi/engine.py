@@ -250,8 +250,11 @@ def _buffers(settings: Settings, layout: Layout, nodes: Nodes, plan: StagePlan,
     """What the engine allocates, in order: the plan's buffers and the snapshots."""
     region = nodes.peers if plan.shared_memory and nodes.count > 1 else None
     rule = settings.rule
+    configs, member = settings.configs, settings.member
     out = buffer_plan(layout, plan, settings.config.overlap.enabled, settings.precisions, region,
-                      states=rule.states, scratch_blocks=rule.scratch_blocks)  # fmt: skip
+                      states=rule.states, scratch_blocks=rule.scratch_blocks,
+                      workspace=rule.workspace(layout, plan.stage,
+                                               lambda name: configs[member[name]]))  # fmt: skip
     if buddies is not None:
         out += snapshot_plan(layout, layout.rank, buddies[1], rule.states, plan.stage)
     return out
@@ -342,7 +345,8 @@ def build_engine(
     engine.reducer = _reducer(engine, planned, handed_over, params_arrays)
     if rule.prepares:  # (the configs by parameter follow set_hyperparameters: a view)
         engine.world = World(layout, config.stage, _ConfigOf(engine), comm.sum_inplace,
-                             comm.exchange, {})  # fmt: skip
+                             comm.exchange, comm.broadcast, {},
+                             stores.get(Kind.WORKSPACE, {}))  # fmt: skip
     if elastic:
         assert buddies is not None
         from .mpi.ulfm import Exchange

@@ -198,7 +198,7 @@ def buffer_plan(
     layout: Layout, plan: StagePlan, overlap: bool = True,
     precisions: Mapping[np.dtype, Precision] | None = None,
     region: Sequence[int] | None = None, *, states: Sequence[StateKind],
-    scratch_blocks: int = 1,
+    scratch_blocks: int = 1, workspace: Mapping[np.dtype, int] | None = None,
 ) -> list[PlannedBuffer]:  # fmt: skip
     """Every buffer an optimizer of ``plan`` allocates at construction on the rank of
     ``layout``, in allocation order, each placed as the plan says: the one
@@ -219,8 +219,9 @@ def buffer_plan(
     MPI, a receive buffer per staging bucket for every rank's part; one bucket of
     parameter gathering in ``P`` per gather slot (3: two with ``overlap``); the update
     rule's ``states`` (Adam's two moments) in ``M`` over what the rule runs on
-    (everything in stage 0, the shard otherwise) and its ``scratch_blocks`` scratch
-    blocks.
+    (everything in stage 0, the shard otherwise), its ``scratch_blocks`` scratch
+    blocks and its ``workspace`` (elements of ``M``, where it has one:
+    :meth:`zerompi.rules.Rule.workspace`).
     """
     stage, shared = plan.stage, plan.shared_memory
     out: list[PlannedBuffer] = []
@@ -274,6 +275,8 @@ def buffer_plan(
                      if kind.units else local)  # fmt: skip
             add(kind, kind.storage(dtype), count, dtype)
         add(Kind.SCRATCH, dtype, min(BLOCK, max(local, 1)) * scratch_blocks, dtype)
+        if workspace and workspace.get(dtype):
+            add(Kind.WORKSPACE, dtype, workspace[dtype], dtype)
     return out
 
 

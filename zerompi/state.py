@@ -220,6 +220,11 @@ def set_hyperparameters(engine: Engine, group: int = 0, **settings: float) -> No
     if not 0 <= group < len(engine.configs):
         raise ValueError(f"set_hyperparameters: no parameter group {group!r} "
                          f"({len(engine.configs)} group(s))")  # fmt: skip
+    for key in engine.rule.fixed:
+        if key in settings and settings[key] != getattr(engine.configs[group], key):
+            raise ValueError(f"set_hyperparameters: {key}={settings[key]!r} for group {group}: "
+                             f"{engine.rule.name}'s {key} is fixed at construction (it is "
+                             f"{getattr(engine.configs[group], key)!r})")  # fmt: skip
     engine.configs[group] = dataclasses.replace(engine.configs[group], **settings)
 
 

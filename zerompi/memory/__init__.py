@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import mlp
 from ..buffers import CATEGORIES, Kind, Placement, StateKind, node_share
+from ..config import ZeroConfig
 from ..elastic import buddy_ranks, snapshot_bytes, snapshot_plan
 from ..partition import (
     DEFAULT_BUCKET_ELEMS,
@@ -50,7 +51,8 @@ from ..partition import (
 )
 from ..plan import buffer_plan, full_grads_plan, stage_plan
 from ..precision import Precision, precisions, resolve_dtype
-from ..rules import rule_of
+from ..rules import Rule, rule_of
+from ..settings import group_configs
 from .traffic import step_traffic
 
 #: (name, shape, dtype) of one parameter, in the model's order.
@@ -161,6 +163,7 @@ def estimate(
     elastic: bool = False,
     snapshot_every: int = 10,
     optimizer: str = "adam",
+    param_groups: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The memory of ``ZeroOptimizer`` on ``rank`` of ``world_size``, without MPI.
 
@@ -179,7 +182,9 @@ def estimate(
     state once, its source's twice; no node shared memory) and their traffic: the
     ``snapshot`` entry of ``traffic``, a snapshot's bytes per ``snapshot_every`` steps
     (what the driver's ``comm_bytes`` reports: its mean per step). ``optimizer``:
-    the update rule (:mod:`zerompi.rules`), whose states and scratch are counted.
+    the update rule (:mod:`zerompi.rules`), whose states and scratch are counted;
+    ``param_groups`` (the optimizer's: names and settings) where the rule's workspace
+    depends on them (Muon's: which matrices are Muon's, ``muon=False`` groups not).
 
     Returns a dict:
 
@@ -209,8 +214,12 @@ def estimate(
     low = any(p.low_grads for p in precs.values())
     stage_kinds = stage_plan(stage, shared, count == 1, low)
     rule = rule_of(optimizer)
+    configs, member = group_configs(rule, rule.base(ZeroConfig(optimizer=optimizer)),
+                                    param_groups, [name for name, _, _ in checked])  # fmt: skip
+    workspace = rule.workspace(layout, stage, lambda name: configs[member[name]])
     plan = buffer_plan(layout, stage_kinds, overlap, precs, peers if count > 1 else None,
-                       states=rule.states, scratch_blocks=rule.scratch_blocks)  # fmt: skip
+                       states=rule.states, scratch_blocks=rule.scratch_blocks,
+                       workspace=workspace)  # fmt: skip
     if full_grads and stage == 2:
         plan += full_grads_plan(layout, precs, shared)
     traffic = step_traffic(layout, stage, precs, shared, per_node)
@@ -323,16 +332,19 @@ def estimate_max(
     it, or the rank with its local index on the node before): the most is then held by
     rank 1 or by rank L (``ranks_per_node``), whose source is rank 0; every figure is
     the maximum over ranks 0, 1 and L. With an update rule whose states are held per
-    block or matrix (8-bit Adam's scales, Adafactor's rows and columns), each figure is
-    the maximum over every rank (a rank with a smaller shard may touch more units).
+    block or matrix (8-bit Adam's scales, Adafactor's rows and columns), or with a
+    workspace (Muon's: the matrices a rank owns), each figure is the maximum over
+    every rank (a rank with a smaller shard may touch more units, or own more).
     """
     first = estimate(specs, world_size, 0, stage, bucket_elems, group_of, **options)
     others: set[int] = set()
     if options.get("elastic"):
         others |= {1, options.get("ranks_per_node") or world_size}
-    if rule_of(options.get("optimizer", "adam")).units:
+    rule = rule_of(options.get("optimizer", "adam"))
+    if rule.units or type(rule).workspace is not Rule.workspace:
         # A state held per block or matrix has an entry for every unit a rank's part
-        # touches: a rank with a smaller shard may touch more of them. Every rank.
+        # touches: a rank with a smaller shard may touch more of them; a workspace
+        # (Muon's) depends on the matrices a rank owns. Every rank.
         others |= set(range(world_size))
     for rank in sorted(others - {0}):
         if rank < world_size:

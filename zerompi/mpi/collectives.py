@@ -417,6 +417,20 @@ class Comm(FileIO, Agreement):
         self._count("alltoallv", (sum(send_counts) - send_counts[self.rank]) * size,
                     (sum(recv_counts) - recv_counts[self.rank]) * size)  # fmt: skip
 
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Collective: overwrite ``buf`` (C-contiguous float32 or float64) on every rank
+        with ``root``'s. Counted as data-path traffic ("bcast": root sends it to every
+        other rank, each of them receives it once), recorded in the fingerprint with
+        its count."""
+        if not buf.flags.c_contiguous:
+            raise ValueError("broadcast needs a C-contiguous array")
+        mpi_type = _mpi_type(buf)
+        self._start(_BC, -1, buf.size)
+        self._blocking("bcast", -1, lambda: self.mpi.Bcast([buf, mpi_type], root=root))
+        nbytes = buf.nbytes
+        self._count("bcast", nbytes * (self.size - 1) if self.rank == root else 0,
+                    0 if self.rank == root else nbytes)  # fmt: skip
+
     def max_inplace(self, buf: np.ndarray) -> None:
         """Collective: the elementwise maximum of a small array (float32 or float64)
         over ranks, in place on every rank. A control message (the scales of the

@@ -37,15 +37,19 @@ class World(NamedTuple):
     each parameter's group config by name, and two collectives: ``reduce`` sums a
     small float64 array over the ranks in place; ``exchange(send, send_counts,
     recv, recv_counts)`` is an ``Alltoallv`` with exact counts (elements, per rank in
-    rank order). ``memo``: the engine's dict where a rule keeps what it derived from
-    the layout and the configs (computed at its first step, not at every one)."""
+    rank order); ``broadcast(buf, root)`` overwrites ``buf`` everywhere with root's.
+    ``memo``: the engine's dict where a rule keeps what it derived from the layout and
+    the configs (computed at its first step, not at every one). ``workspace``: the
+    rule's :meth:`Rule.workspace` buffers, by master dtype."""
 
     layout: Any
     stage: int
     config_of: Mapping[str, Any]
     reduce: Callable[[np.ndarray], None]
     exchange: Callable[[np.ndarray, Sequence[int], np.ndarray, Sequence[int]], None]
+    broadcast: Callable[[np.ndarray, int], None]
     memo: dict[Any, Any]
+    workspace: Mapping[np.dtype, np.ndarray]
 
 
 class Rule(ABC):
@@ -74,6 +78,10 @@ class Rule(ABC):
     #: :func:`zerompi.bench.floor.floor_bytes` counts them): a rule whose update needs
     #: sums over whole parameters first reads what they are summed from twice.
     rereads: ClassVar[int] = 0
+    #: Settings a group has from construction on: ``set_hyperparameters`` refuses to
+    #: change them (Muon's ``muon`` decides which rank orthogonalizes which matrix and
+    #: the workspace that takes).
+    fixed: ClassVar[tuple[str, ...]] = ()
     #: The master dtypes it runs on (``None``: any).
     dtypes: ClassVar[tuple[str, ...] | None] = None
     #: Whether it needs statistics over whole parameters before any element is updated
@@ -129,6 +137,16 @@ class Rule(ABC):
     def units(self) -> bool:
         """Whether any of its states is held per unit (block, matrix, vector element)."""
         return any(s.units for s in self.states)
+
+    def workspace(
+        self, layout: Any, stage: int, config_of: Callable[[str], Any]
+    ) -> dict[np.dtype, int]:  # fmt: skip
+        """Elements of each master dtype the rule's step works in beyond its states
+        and scratch, on ``layout``'s rank at ``stage`` (``config_of``: a parameter's
+        group config by name): allocated once with the other buffers
+        (:data:`zerompi.buffers.Kind.WORKSPACE`), counted by ``memory_usage()`` and the
+        estimator, handed to :meth:`before` as ``World.workspace``. None by default."""
+        return {}
 
     def check(self, dtypes: Sequence[np.dtype]) -> None:
         """Raise (a ``ValueError`` naming the value) where the rule cannot run on

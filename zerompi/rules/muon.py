@@ -12,18 +12,22 @@ references). Per step and matrix ``W`` (``G`` the averaged gradient)::
     W = W * (1 - lr * weight_decay) - lr * O
 
 A matrix is cut across shards by the flat layout, so its momentum is assembled whole
-on one rank, its *owner*, chosen per step to balance the Newton-Schulz work
-(``rows * cols * min(rows, cols)``, largest first, to the least loaded rank): one
-``Alltoallv`` with exact counts sends each rank's part of each matrix (the part it
-counts: its shard; at stage 0 its part of the bucket) to the owner, the owner
-orthogonalizes, and a second ``Alltoallv`` returns to every rank the part it updates.
-The orthogonalized update replaces the gradient in place; the states are Adam's two
-(``exp_avg``: a matrix's momentum; ``exp_avg_sq``: unused for a matrix).
+on one rank, its *owner*, chosen once to balance the Newton-Schulz work (``rows *
+cols * min(rows, cols)``, largest first, to the least loaded rank; which matrices are
+Muon's is fixed at construction): one ``Alltoallv`` with exact counts sends each
+rank's part of each matrix (its shard of it) to the owner, the owner orthogonalizes,
+and a second ``Alltoallv`` returns to every rank its part. At stage 0 every rank holds
+every matrix: the owner orthogonalizes its own copy and broadcasts the result. The
+orthogonalized update replaces the gradient in place; the states are Adam's two
+(``exp_avg``: a matrix's momentum; ``exp_avg_sq``: unused for a matrix). All of it
+runs in the rule's workspace (:meth:`Muon.workspace`: the parts exchanged, one
+assembled matrix and the Newton-Schulz products of the largest the rank owns),
+allocated once with the optimizer's other buffers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -76,17 +80,56 @@ class MuonConfig:
         return AdamConfig(self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, True)
 
 
-def newton_schulz(update: np.ndarray, steps: int) -> np.ndarray:
-    """Keller Jordan's quintic Newton-Schulz iteration on a 2-D array, in its dtype:
-    ``X = U / (|U|_F + 1e-7)`` (transposed to have no more rows than columns), then
-    ``steps`` times ``A = X X^T``, ``X = a X + (b A + c A A) X``."""
-    a, b, c = (update.dtype.type(v) for v in NS_COEFFICIENTS)
-    x = update.T if update.shape[0] > update.shape[1] else update
-    x = x / (np.linalg.norm(x) + update.dtype.type(1e-7))
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    return x.T if update.shape[0] > update.shape[1] else x
+class NewtonSchulzSpace(NamedTuple):
+    """The buffers :func:`newton_schulz` works in, each at least as large as one
+    matrix needs (``ns_sizes``): the product ``(B) X`` (``tmp``), the Gram matrix and
+    its square (``gram``, ``gram2``), and, for a tall matrix, the iterate in the wide
+    orientation (``wide``)."""
+
+    tmp: np.ndarray
+    gram: np.ndarray
+    gram2: np.ndarray
+    wide: np.ndarray
+
+
+def ns_sizes(rows: int, cols: int) -> tuple[int, int, int, int]:
+    """Elements of each :class:`NewtonSchulzSpace` buffer a ``rows x cols`` matrix
+    needs."""
+    r, c = min(rows, cols), max(rows, cols)
+    return r * c, r * r, r * r, r * c if rows > cols else 0
+
+
+def newton_schulz(u: np.ndarray, steps: int, space: NewtonSchulzSpace) -> np.ndarray:
+    """Keller Jordan's quintic Newton-Schulz iteration on the C-contiguous 2-D ``u``,
+    in its dtype, in place and in ``space`` (no allocation): ``X = U / (|U|_F +
+    1e-7)`` (transposed to have no more rows than columns), then ``steps`` times ``A =
+    X X^T``, ``X = a X + (b A + c A A) X``. Returns the result, ``u`` itself or a
+    view of ``space.wide``. The products see their operands in the memory layouts
+    :meth:`zerompi.reference.ReferenceMuon.orthogonalize` gives them (a tall
+    matrix's first iterate is ``u``'s transpose, the later ones C-contiguous), so
+    BLAS computes the same bits."""
+    dt = u.dtype.type
+    a, b, c = (dt(v) for v in NS_COEFFICIENTS)
+    tall = u.shape[0] > u.shape[1]
+    np.divide(u, np.linalg.norm(u) + dt(1e-7), out=u)
+    x = u.T if tall else u
+    r, w = x.shape
+    tmp = space.tmp[: r * w].reshape(r, w)
+    gram, gram2 = space.gram[: r * r].reshape(r, r), space.gram2[: r * r].reshape(r, r)
+    for i in range(steps):
+        np.matmul(x, x.T, out=gram)
+        np.matmul(gram, gram, out=gram2)
+        gram2 *= c
+        gram *= b
+        np.add(gram, gram2, out=gram2)
+        np.matmul(gram2, x, out=tmp)
+        if tall and i == 0:  # the next iterates C-contiguous, in the wide buffer
+            x = space.wide[: r * w].reshape(r, w)
+            np.multiply(u.T, a, out=x)
+        else:
+            x *= a
+        x += tmp
+    return x.T if tall else x
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -109,6 +152,7 @@ class Muon(Rule):
                 "eps", "weight_decay")  # fmt: skip
     reads = ("betas", "eps", "muon_momentum", "muon_nesterov", "ns_steps", "match_rms")
     prepares = True
+    fixed = ("muon",)
 
     def base(self, config: Any) -> MuonConfig:
         b1, b2 = betas_of(config, (0.9, 0.95))
@@ -159,6 +203,24 @@ class Muon(Rule):
                 _orthogonalize(pieces, mats, dtype, world)
         return by_dtype
 
+    def workspace(
+        self, layout: Any, stage: int, config_of: Callable[[str], Any]
+    ) -> dict[np.dtype, int]:  # fmt: skip
+        """Per dtype: this rank's counted parts of the matrices (sent to their owners,
+        and what comes back), the matrices it owns as they arrive, one of them
+        assembled, and the Newton-Schulz products of the largest (stage 0: the
+        products only; every rank holds every matrix whole)."""
+        matrices = [p for p in layout.params if len(p.shape) >= 2 and p.size
+                    and config_of(p.name).muon]  # fmt: skip
+        owner = owners(matrices, layout.world_size)
+        out = {}
+        for dtype in layout.sizes:
+            mats = [(p, owner[p.name]) for p in matrices if p.dtype == dtype]
+            total = sum(_space(mats, layout, stage))
+            if total:
+                out[dtype] = total
+        return out
+
     def update(
         self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
         config: Any, scratch: np.ndarray, divisor: float, low: np.ndarray | None,
@@ -178,7 +240,10 @@ class Muon(Rule):
             p = param[lo:hi]
             if config.weight_decay:
                 p *= dt(1.0 - config.lr * config.weight_decay)
-            p += grad[lo:hi] * dt(-config.lr)
+            for a, b in blocks(hi - lo, scratch.shape[0]):  # p += O * (-lr), by blocks
+                t = scratch[: b - a]
+                np.multiply(grad[lo + a : lo + b], dt(-config.lr), out=t)
+                p[a:b] += t
             at = hi
         if at < n:
             self._adam(param, grad, states, at, n, step, config, scratch)
@@ -216,24 +281,47 @@ def _overlap(p: Any, first: int, count: int, dtype: np.dtype) -> tuple[int, int]
     return max(p.offset, first), min(p.offset + p.size, first + count)
 
 
+def _space(mats: list[tuple[Any, int]], layout: Any, stage: int) -> list[int]:
+    """Elements of one dtype's workspace, in order: this rank's counted parts of the
+    matrices (``mats``: ``(ParamSpec, owner)``), the parts of the matrices it owns
+    that arrive, one owned matrix assembled, and the Newton-Schulz buffers of the
+    largest (:func:`ns_sizes`); at stage 0 the last only."""
+    me = layout.rank
+    mine = [p for p, q in mats if q == me]
+    ns = [max((ns_sizes(*matrix_shape(p.shape))[i] for p in mine), default=0) for i in range(4)]
+    if stage == 0:
+        return [0, 0, 0, *ns]
+    sent = sum(_len(_span(layout, stage, me, p, counted=True)) for p, _ in mats)
+    owned = sum(p.size for p in mine)
+    return [sent, owned, max((p.size for p in mine), default=0), *ns]
+
+
+def _carve(buf: np.ndarray | None, sizes: Sequence[int], dtype: np.dtype) -> list[np.ndarray]:
+    """``buf`` cut into consecutive pieces of ``sizes`` elements."""
+    if buf is None:
+        return [np.empty(0, dtype) for _ in sizes]
+    out, at = [], 0
+    for n in sizes:
+        out.append(buf[at : at + n])
+        at += n
+    return out
+
+
 class _Plan(NamedTuple):
-    """One dtype's two exchanges of a step on this rank, from the layout and the
-    matrices' owners alone (made at the first step, kept in the engine's
+    """One dtype's exchanges of a step at stages 1-3 on this rank, from the layout
+    and the matrices' owners alone (made at the first step, kept in the engine's
     ``World.memo``): this rank's counted parts of the matrices in send order (by
-    owner, then the matrices' order) as global ``(lo, hi)``; where each piece an
-    owned matrix receives goes (``(name, start, stop)`` in the matrix, in receive
-    order: by sending rank, then the matrices' order); what goes back (the same, by
-    receiving rank); this rank's updated parts in receive order; and the counts."""
+    owner, then the matrices' order) as global ``(lo, hi)``, the counts sent, and
+    per matrix this rank owns where its parts arrive (``(at, start, stop)``: at
+    ``at`` of what arrives, elements ``start ... stop`` of the matrix; by sending
+    rank, then the matrices' order) and the counts received. What comes back has the
+    same layout (a rank updates what it counts), so the owned parts go back from
+    where they arrived and come back where they were sent from."""
 
     sends: list[tuple[int, int]]
     send_counts: list[int]
-    mine: list[str]
-    pieces: list[tuple[str, int, int]]
+    owned: dict[str, list[tuple[int, int, int]]]
     recv_counts: list[int]
-    back: list[tuple[str, int, int]]
-    back_counts: list[int]
-    gets: list[tuple[int, int]]
-    get_counts: list[int]
 
 
 def _plan(mats: list[tuple[Any, int]], world: World) -> _Plan:
@@ -243,8 +331,6 @@ def _plan(mats: list[tuple[Any, int]], world: World) -> _Plan:
     me = layout.rank
     counted = {(r, p.name): _span(layout, stage, r, p, counted=True)
                for r in ranks for p, _ in mats}  # fmt: skip
-    held = {(r, p.name): _span(layout, stage, r, p, counted=False)
-            for r in ranks for p, _ in mats}  # fmt: skip
     send_counts = [0] * len(ranks)
     sends = []
     for p, q in sorted(mats, key=lambda m: m[1]):
@@ -253,78 +339,74 @@ def _plan(mats: list[tuple[Any, int]], world: World) -> _Plan:
             sends.append((lo, hi))
             send_counts[q] += hi - lo
     mine = [p for p, q in mats if q == me]
-    pieces, recv_counts = [], []
-    back, back_counts = [], []
+    owned: dict[str, list[tuple[int, int, int]]] = {p.name: [] for p in mine}
+    recv_counts, at = [], 0
     for r in ranks:
-        got = put = 0
+        got = 0
         for p in mine:
             lo, hi = counted[r, p.name]
             if hi > lo:
-                pieces.append((p.name, lo - p.offset, hi - p.offset))
+                owned[p.name].append((at, lo - p.offset, hi - p.offset))
+                at += hi - lo
                 got += hi - lo
-            lo, hi = held[r, p.name]
-            if hi > lo:
-                back.append((p.name, lo - p.offset, hi - p.offset))
-                put += hi - lo
         recv_counts.append(got)
-        back_counts.append(put)
-    gets, get_counts = [], [0] * len(ranks)
-    for r in ranks:
-        for p, q in mats:
-            lo, hi = held[me, p.name]
-            if q == r and hi > lo:
-                gets.append((lo, hi))
-                get_counts[r] += hi - lo
-    return _Plan(sends, send_counts, [p.name for p in mine], pieces, recv_counts, back,
-                 back_counts, gets, get_counts)  # fmt: skip
+    return _Plan(sends, send_counts, owned, recv_counts)
 
 
 def _orthogonalize(
     pieces: list[Piece], mats: list[tuple[Any, int]], dtype: np.dtype, world: World
 ) -> None:  # fmt: skip
-    """Collective: every matrix of ``dtype`` assembled on its owner from the parts the
-    ranks count, orthogonalized and scaled there, and returned to every rank for the
-    part it updates, written over the gradient."""
+    """Collective: every matrix of ``dtype`` orthogonalized and scaled on its owner,
+    in the workspace (:meth:`Muon.workspace`), and written over the gradient of every
+    rank that updates a part of it. Stages 1-3: the parts the ranks count go to the
+    owner and back, two ``Alltoallv`` with exact counts; stage 0: every rank holds
+    every matrix, the owner works on its own and broadcasts the result."""
+    layout = world.layout
+    space = _carve(world.workspace.get(dtype), _space(mats, layout, world.stage), dtype)
+    sent, arrived, whole = space[:3]
+    ns = NewtonSchulzSpace(*space[3:])
+    if world.stage == 0:
+        for p, q in mats:
+            if q == layout.rank:
+                g = _grad_view(pieces, dtype, p.offset, p.offset + p.size)
+                _scaled(g.reshape(matrix_shape(p.shape)), p, ns, world)
+        for p, q in mats:  # (every rank, in the matrices' order)
+            world.broadcast(_grad_view(pieces, dtype, p.offset, p.offset + p.size), q)
+        return
     key = ("muon", dtype.name, tuple((p.name, q) for p, q in mats))
     plan = world.memo.get(key)
     if plan is None:
         plan = world.memo[key] = _plan(mats, world)
-    # 1. this rank's counted parts to each owner
-    send = np.empty(sum(plan.send_counts), dtype)
     at = 0
     for lo, hi in plan.sends:
-        send[at : at + hi - lo] = _grad_view(pieces, dtype, lo, hi)
+        sent[at : at + hi - lo] = _grad_view(pieces, dtype, lo, hi)
         at += hi - lo
-    recv = np.empty(sum(plan.recv_counts), dtype)
-    world.exchange(send, plan.send_counts, recv, plan.recv_counts)
-    del send
-    # 2. the owner assembles, orthogonalizes and scales each matrix it owns
+    world.exchange(sent, plan.send_counts, arrived, plan.recv_counts)
     by_name = {p.name: p for p, _ in mats}
-    whole = {name: np.empty(by_name[name].size, dtype) for name in plan.mine}
+    for name, parts in plan.owned.items():
+        p = by_name[name]
+        u = whole[: p.size]
+        for at, start, stop in parts:
+            u[start:stop] = arrived[at : at + stop - start]
+        _scaled(u.reshape(matrix_shape(p.shape)), p, ns, world)
+        for at, start, stop in parts:  # back where it came from
+            arrived[at : at + stop - start] = u[start:stop]
+    world.exchange(arrived, plan.recv_counts, sent, plan.send_counts)
     at = 0
-    for name, start, stop in plan.pieces:
-        whole[name][start:stop] = recv[at : at + stop - start]
-        at += stop - start
-    del recv
-    for name in whole:
-        rows, cols = matrix_shape(by_name[name].shape)
-        c = world.config_of[name]
-        o = newton_schulz(whole[name].reshape(rows, cols), c.ns_steps)
-        o *= dtype.type(scale_of(c, rows, cols))
-        whole[name] = o.reshape(-1)
-    # 3. back: each rank's held part of every matrix this rank owns
-    back = np.empty(sum(plan.back_counts), dtype)
-    at = 0
-    for name, start, stop in plan.back:
-        back[at : at + stop - start] = whole[name][start:stop]
-        at += stop - start
-    del whole
-    got = np.empty(sum(plan.get_counts), dtype)
-    world.exchange(back, plan.back_counts, got, plan.get_counts)
-    at = 0
-    for lo, hi in plan.gets:
-        _grad_view(pieces, dtype, lo, hi)[...] = got[at : at + hi - lo]
+    for lo, hi in plan.sends:
+        _grad_view(pieces, dtype, lo, hi)[...] = sent[at : at + hi - lo]
         at += hi - lo
+
+
+def _scaled(u: np.ndarray, p: Any, ns: NewtonSchulzSpace, world: World) -> None:
+    """``u`` (C-contiguous, the matrix's shape for Muon) replaced by its
+    orthogonalized and scaled update."""
+    rows, cols = u.shape
+    c = world.config_of[p.name]
+    o = newton_schulz(u, c.ns_steps, ns)
+    if o is not u:
+        np.copyto(u, o)
+    u *= u.dtype.type(scale_of(c, rows, cols))
 
 
 def _span(layout: Any, stage: int, rank: int, p: Any, counted: bool) -> tuple[int, int]:
