@@ -140,6 +140,34 @@ def test_owners_balance_the_newton_schulz_work() -> None:
     assert owners(mats, 1) == dict.fromkeys(got, 0)
 
 
+@pytest.mark.mpi_skip
+def test_owners_are_where_the_matrices_are_counted() -> None:
+    """With the counted elements, the rank counting most of a matrix owns it while
+    the work stays even: eight equal matrices in two ranks' shards are each owned
+    where they lie (nothing is exchanged: ``_plan(...).moves`` is false on both), one
+    matrix split evenly goes to the least loaded, and a rank holding every matrix
+    keeps only its even share of the work."""
+    from zerompi.partition import optimizer_layout
+    from zerompi.rules.base import World
+    from zerompi.rules.muon import _owners, _plan
+
+    specs = [(f"m{i}", (8, 8), np.dtype(np.float32)) for i in range(8)]
+    for rank in range(2):
+        layout = optimizer_layout(specs, 2, rank, 1, 512)  # one bucket, 256 elements each
+        got = _owners(list(layout.params), layout, 1)
+        assert got == {f"m{i}": i // 4 for i in range(8)}, got
+        world = World(layout, 1, {}, None, None, None, {}, {})
+        plan = _plan([(p, got[p.name]) for p in layout.params], world)
+        assert not plan.moves and not plan.sends and sum(plan.recv_counts) == 0, plan
+    split = [("a", (8, 8), np.dtype(np.float32)), ("b", (8, 8), np.dtype(np.float32))]
+    layout = optimizer_layout(split, 2, 0, 1, 64)  # a bucket each, cut in half
+    assert _owners(list(layout.params), layout, 1) == {"a": 0, "b": 1}
+    many = [(f"m{i}", (4, 4), np.dtype(np.float32)) for i in range(4)]
+    layout = optimizer_layout([*many, ("pad", (200,), np.dtype(np.float32))], 2, 0, 1, 1000)
+    mats = [p for p in layout.params if len(p.shape) == 2]  # all in rank 0's shard
+    assert sorted(_owners(mats, layout, 1).values()) == [0, 0, 1, 1]
+
+
 def test_checkpoint_at_another_world_size(mpi_tmp_path: Path) -> None:
     """Saved by the world at stage 3, loaded by one rank at stage 1 and trained on:
     as the reference trained without the checkpoint."""

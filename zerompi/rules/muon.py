@@ -194,7 +194,7 @@ class Muon(Rule):
                         gb += tb
                     else:
                         gb[...] = mb
-        owner = owners(matrices, layout.world_size)
+        owner = _owners(matrices, layout, world.stage)
         by_dtype: dict[str, list[Any]] = {}
         for dtype in layout.sizes:
             mats = [(p, owner[p.name]) for p in matrices if p.dtype == dtype]
@@ -212,7 +212,7 @@ class Muon(Rule):
         products only; every rank holds every matrix whole)."""
         matrices = [p for p in layout.params if len(p.shape) >= 2 and p.size
                     and config_of(p.name).muon]  # fmt: skip
-        owner = owners(matrices, layout.world_size)
+        owner = _owners(matrices, layout, stage)
         out = {}
         for dtype in layout.sizes:
             mats = [(p, owner[p.name]) for p in matrices if p.dtype == dtype]
@@ -258,18 +258,29 @@ class Muon(Rule):
                   config.adam(), scratch, 1.0)  # fmt: skip
 
 
-def owners(matrices: Sequence[Any], world_size: int) -> dict[str, int]:
-    """Each matrix's owner: the largest Newton-Schulz work first (``rows * cols *
-    min(rows, cols)``, ties in the model's order), each to the least loaded rank (ties
-    to the lowest). The same on every rank."""
+def owners(
+    matrices: Sequence[Any], world_size: int, counted: Callable[[int, Any], int] | None = None
+) -> dict[str, int]:  # fmt: skip
+    """Each matrix's owner, the same on every rank: the largest Newton-Schulz work
+    first (``rows * cols * min(rows, cols)``, ties in the model's order). With
+    ``counted`` (``counted(rank, matrix)``: the elements of it that rank counts), the
+    rank counting the most of it (then the least loaded, then the lowest) among those
+    whose load stays within an even share of the work; a matrix no such rank can take,
+    and every matrix without ``counted``, goes to the least loaded rank (ties to the
+    lowest). A matrix whose owner counts it whole is neither sent nor returned."""
     load = [0] * world_size
     out = {}
-    work = [(-(r * c * min(r, c)), i, p) for i, p in enumerate(matrices)
+    work = [(r * c * min(r, c), i, p) for i, p in enumerate(matrices)
             for r, c in (matrix_shape(p.shape),)]  # fmt: skip
-    for cost, _, p in sorted(work, key=lambda w: (w[0], w[1])):
-        rank = min(range(world_size), key=lambda q: (load[q], q))
+    share = sum(w for w, _, _ in work) / world_size
+    for cost, _, p in sorted(work, key=lambda w: (-w[0], w[1])):
+        fits = [q for q in range(world_size) if load[q] + cost <= share] if counted else []
+        if fits:
+            rank = min(fits, key=lambda q: (-counted(q, p), load[q], q))  # type: ignore[misc]
+        else:
+            rank = min(range(world_size), key=lambda q: (load[q], q))
         out[p.name] = rank
-        load[rank] -= cost
+        load[rank] += cost
     return out
 
 
@@ -281,19 +292,32 @@ def _overlap(p: Any, first: int, count: int, dtype: np.dtype) -> tuple[int, int]
     return max(p.offset, first), min(p.offset + p.size, first + count)
 
 
+def _owners(matrices: Sequence[Any], layout: Any, stage: int) -> dict[str, int]:
+    """:func:`owners` preferring the rank that counts most of a matrix."""
+    return owners(matrices, layout.world_size,
+                  lambda rank, p: _len(_span(layout, stage, rank, p, counted=True)))  # fmt: skip
+
+
+def _local(layout: Any, stage: int, p: Any) -> bool:
+    """Whether this rank counts all of matrix ``p`` (at stage 0 it holds it whole)."""
+    return stage == 0 or _span(layout, stage, layout.rank, p, counted=True) == (
+        p.offset, p.offset + p.size)  # fmt: skip
+
+
 def _space(mats: list[tuple[Any, int]], layout: Any, stage: int) -> list[int]:
     """Elements of one dtype's workspace, in order: this rank's counted parts of the
-    matrices (``mats``: ``(ParamSpec, owner)``), the parts of the matrices it owns
-    that arrive, one owned matrix assembled, and the Newton-Schulz buffers of the
-    largest (:func:`ns_sizes`); at stage 0 the last only."""
+    matrices others own (``mats``: ``(ParamSpec, owner)``), the other ranks' parts of
+    the matrices it owns, one owned matrix assembled (the largest it does not count
+    whole), and the Newton-Schulz buffers of the largest it owns (:func:`ns_sizes`)."""
     me = layout.rank
     mine = [p for p, q in mats if q == me]
     ns = [max((ns_sizes(*matrix_shape(p.shape))[i] for p in mine), default=0) for i in range(4)]
     if stage == 0:
         return [0, 0, 0, *ns]
-    sent = sum(_len(_span(layout, stage, me, p, counted=True)) for p, _ in mats)
-    owned = sum(p.size for p in mine)
-    return [sent, owned, max((p.size for p in mine), default=0), *ns]
+    sent = sum(_len(_span(layout, stage, me, p, counted=True)) for p, q in mats if q != me)
+    arriving = sum(p.size - _len(_span(layout, stage, me, p, counted=True)) for p in mine)
+    whole = max((p.size for p in mine if not _local(layout, stage, p)), default=0)
+    return [sent, arriving, whole, *ns]
 
 
 def _carve(buf: np.ndarray | None, sizes: Sequence[int], dtype: np.dtype) -> list[np.ndarray]:
@@ -310,18 +334,21 @@ def _carve(buf: np.ndarray | None, sizes: Sequence[int], dtype: np.dtype) -> lis
 class _Plan(NamedTuple):
     """One dtype's exchanges of a step at stages 1-3 on this rank, from the layout
     and the matrices' owners alone (made at the first step, kept in the engine's
-    ``World.memo``): this rank's counted parts of the matrices in send order (by
-    owner, then the matrices' order) as global ``(lo, hi)``, the counts sent, and
-    per matrix this rank owns where its parts arrive (``(at, start, stop)``: at
-    ``at`` of what arrives, elements ``start ... stop`` of the matrix; by sending
-    rank, then the matrices' order) and the counts received. What comes back has the
-    same layout (a rank updates what it counts), so the owned parts go back from
-    where they arrived and come back where they were sent from."""
+    ``World.memo``): this rank's counted parts of the matrices others own, in send
+    order (by owner, then the matrices' order) as global ``(lo, hi)``, and the
+    counts; per matrix this rank owns, its own counted part (global ``(lo, hi)``)
+    and where the others' parts arrive (``(at, start, stop)``: at ``at`` of what
+    arrives, elements ``start ... stop`` of the matrix; by sending rank, then the
+    matrices' order), and the counts received. What goes back has the same layout
+    (a rank updates what it counts), so the owned parts go back from where they
+    arrived and come back where they were sent from. ``moves``: whether any rank
+    sends anything (the same on every rank; else no exchange at all)."""
 
     sends: list[tuple[int, int]]
     send_counts: list[int]
-    owned: dict[str, list[tuple[int, int, int]]]
+    owned: dict[str, tuple[tuple[int, int], list[tuple[int, int, int]]]]
     recv_counts: list[int]
+    moves: bool
 
 
 def _plan(mats: list[tuple[Any, int]], world: World) -> _Plan:
@@ -331,26 +358,28 @@ def _plan(mats: list[tuple[Any, int]], world: World) -> _Plan:
     me = layout.rank
     counted = {(r, p.name): _span(layout, stage, r, p, counted=True)
                for r in ranks for p, _ in mats}  # fmt: skip
+    moves = any(_len(counted[r, p.name]) for r in ranks for p, q in mats if q != r)
     send_counts = [0] * len(ranks)
     sends = []
     for p, q in sorted(mats, key=lambda m: m[1]):
         lo, hi = counted[me, p.name]
-        if hi > lo:
+        if q != me and hi > lo:
             sends.append((lo, hi))
             send_counts[q] += hi - lo
     mine = [p for p, q in mats if q == me]
-    owned: dict[str, list[tuple[int, int, int]]] = {p.name: [] for p in mine}
+    owned: dict[str, tuple[tuple[int, int], list[tuple[int, int, int]]]] = {
+        p.name: (counted[me, p.name], []) for p in mine}  # fmt: skip
     recv_counts, at = [], 0
     for r in ranks:
         got = 0
         for p in mine:
             lo, hi = counted[r, p.name]
-            if hi > lo:
-                owned[p.name].append((at, lo - p.offset, hi - p.offset))
+            if r != me and hi > lo:
+                owned[p.name][1].append((at, lo - p.offset, hi - p.offset))
                 at += hi - lo
                 got += hi - lo
         recv_counts.append(got)
-    return _Plan(sends, send_counts, owned, recv_counts)
+    return _Plan(sends, send_counts, owned, recv_counts, moves)
 
 
 def _orthogonalize(
@@ -358,9 +387,10 @@ def _orthogonalize(
 ) -> None:  # fmt: skip
     """Collective: every matrix of ``dtype`` orthogonalized and scaled on its owner,
     in the workspace (:meth:`Muon.workspace`), and written over the gradient of every
-    rank that updates a part of it. Stages 1-3: the parts the ranks count go to the
-    owner and back, two ``Alltoallv`` with exact counts; stage 0: every rank holds
-    every matrix, the owner works on its own and broadcasts the result."""
+    rank that updates a part of it. Stages 1-3: the parts other ranks count go to the
+    owner and back, two ``Alltoallv`` with exact counts (none where no part moves); a
+    matrix its owner counts whole is orthogonalized in place. Stage 0: every rank
+    holds every matrix, the owner works on its own and broadcasts the result."""
     layout = world.layout
     space = _carve(world.workspace.get(dtype), _space(mats, layout, world.stage), dtype)
     sent, arrived, whole = space[:3]
@@ -381,17 +411,27 @@ def _orthogonalize(
     for lo, hi in plan.sends:
         sent[at : at + hi - lo] = _grad_view(pieces, dtype, lo, hi)
         at += hi - lo
-    world.exchange(sent, plan.send_counts, arrived, plan.recv_counts)
+    if plan.moves:
+        world.exchange(sent, plan.send_counts, arrived, plan.recv_counts)
     by_name = {p.name: p for p, _ in mats}
-    for name, parts in plan.owned.items():
+    for name, ((lo, hi), parts) in plan.owned.items():
         p = by_name[name]
+        if not parts:  # counted whole here: in place
+            _scaled(_grad_view(pieces, dtype, lo, hi).reshape(matrix_shape(p.shape)), p, ns,
+                    world)  # fmt: skip
+            continue
         u = whole[: p.size]
+        if hi > lo:
+            u[lo - p.offset : hi - p.offset] = _grad_view(pieces, dtype, lo, hi)
         for at, start, stop in parts:
             u[start:stop] = arrived[at : at + stop - start]
         _scaled(u.reshape(matrix_shape(p.shape)), p, ns, world)
+        if hi > lo:
+            _grad_view(pieces, dtype, lo, hi)[...] = u[lo - p.offset : hi - p.offset]
         for at, start, stop in parts:  # back where it came from
             arrived[at : at + stop - start] = u[start:stop]
-    world.exchange(arrived, plan.recv_counts, sent, plan.send_counts)
+    if plan.moves:
+        world.exchange(arrived, plan.recv_counts, sent, plan.send_counts)
     at = 0
     for lo, hi in plan.sends:
         _grad_view(pieces, dtype, lo, hi)[...] = sent[at : at + hi - lo]
