@@ -33,7 +33,7 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
     assert proc.returncode == 0, text
     results = json.loads(out.read_text())
     assert results["world_size"] == 2
-    assert results["stream_gbps"] > 0  # measured once, before the sizes
+    assert results["stream_gbps"] > 0  # measured first, before the sizes
     assert results["stream"]["bytes_per_pass"] == 2 * 3 * 4 * 65536
     assert {"mpi_library", "kernel", "roofline", "argv", "rows"} <= set(results)
     assert results["kernel"]["n"] == 1000  # the largest kernel measurement
@@ -49,9 +49,9 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
         assert set(row["phase_ms"]) == {"reduce_scatter", "adam", "allgather"}
         assert {"impl", "elems_per_s", "torch_fused_elems_per_s", "ratio"} <= set(row["kernel"])
         assert "torch" not in row  # --no-torch
-        # The floor: positive, with the run's bandwidth and the bytes it assumes.
+        # The floor: positive, with its own stage's bandwidth and the bytes it assumes.
         assert row["dtype"] == "float32"
-        assert row["stream_gbps"] == results["stream_gbps"]
+        assert row["stream_gbps"] > 0
         assert row["floor_ms"] > 0 and row["fused_floor_ms"] > 0
         assert row["step_per_floor"] == row["step_ms"] / row["floor_ms"]
         assert row["floor_bytes_per_elem"] == floor_bytes(row)

@@ -78,7 +78,7 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
             "same stage's bare collectives over the optimizer's buckets plus the kernel. "
             "floor_ms is the bytes the step's data flow must read and write at minimum "
             "(floor_bytes_per_elem, per shard element) over the memory bandwidth all "
-            "ranks reach streaming together (stream_gbps, measured once per run); "
+            "ranks reach streaming together (stream_gbps, measured right before each stage); "
             "step/floor = step_ms / floor_ms. "
             "Targets (stage 2 ratios; stage 3 many-tensor overhead <= 30 us) are printed, "
             "not asserted. The folders of --json and --plot are made before measuring."

@@ -6,12 +6,12 @@ Every phase of a step on one node (reduce, gradient statistics, Adam, gather) is
 stream over arrays far larger than the cache, so its time is bounded below by the
 bytes it must read and write divided by the memory bandwidth. Two parts:
 
-* :func:`stream_bandwidth` measures that bandwidth in the benchmark's own run: every
-  rank at once (after a barrier) runs ``np.add(a, b, out=a)`` over float32 arrays
-  far larger than the cache (read ``a``, read ``b``, write ``a``: 3 x nbytes per
-  pass); each rank keeps its best pass, and the aggregate is the bytes of all ranks
-  over the slowest rank's best time. It is the bandwidth the ranks share, since they
-  run the step's phases at once too.
+* :func:`stream_bandwidth` measures that bandwidth in the benchmark's own run, right
+  before each stage is timed: every rank at once (after a barrier) runs
+  ``np.add(a, b, out=a)`` over float32 arrays far larger than the cache (read ``a``,
+  read ``b``, write ``a``: 3 x nbytes per pass); a pass takes as long as its slowest
+  rank, and the aggregate is the bytes of all ranks over the best pass's time. It is
+  the bandwidth the ranks share, since they run the step's phases at once too.
 * :func:`floor_bytes` is the byte model: the bytes one rank must move per element of
   its shard (per model element at stage 0), itemized per phase, from a benchmark
   row's fields. :func:`floor_fields` turns it into ``floor_ms`` and
@@ -54,20 +54,20 @@ def stream_bandwidth(
     (1e9 B/s), and how it was measured.
 
     Every rank fills two float32 arrays of ``elems`` elements once, then ``reps``
-    times: a barrier, one timed ``np.add(a, b, out=a)``. The aggregate is the sum
-    over ranks of the bytes of one pass over the largest over ranks of the best
-    pass's time: all ranks' bytes moved while all of them stream."""
+    times: a barrier, one timed ``np.add(a, b, out=a)``, whose time is the slowest
+    rank's. The aggregate is the sum over ranks of the bytes of one pass over the best
+    pass's time: all ranks' bytes moved while all of them stream (a rank's best pass
+    taken while another rank was not streaming does not count)."""
     a = np.full(elems, 1.0, np.float32)  # filled: every page is touched before timing
     b = np.full(elems, 0.5, np.float32)
     nbytes = STREAM_ARRAYS * a.nbytes
-    best = math.inf
+    slowest = math.inf
     for _ in range(reps):
         comm.barrier()
         start = clock()
         np.add(a, b, out=a)
-        best = min(best, clock() - start)
+        slowest = min(slowest, comm.max(clock() - start))
     del a, b
-    slowest = comm.max(best)
     total = comm.sum(nbytes)
     return {
         "stream_gbps": total / slowest / 1e9,

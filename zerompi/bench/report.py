@@ -92,11 +92,16 @@ def floor_header(results: dict[str, Any]) -> list[str]:
     gbps, stream = results.get("stream_gbps"), results.get("stream")
     if gbps is None or stream is None:
         return []
+    probes = sorted({round(r["stream_gbps"], 2) for r in results.get("rows", ())
+                     if r.get("stream_gbps")})  # fmt: skip
+    each = (f"; probed again right before each stage: {probes[0]:.2f}-{probes[-1]:.2f} "
+            "GB/s, each row's floor its own" if probes else "")  # fmt: skip
     return [
         f"floor = bytes per element x busiest rank's elements x {results['world_size']} "
         f"ranks / {gbps:.2f} GB/s, the memory bandwidth of {stream['ranks']} rank(s) "
         f"streaming np.add(a, b, out=a) at once over {stream['elems']:,} float32 "
-        f"elements (best of {stream['reps']}); step/floor = step_ms / floor"
+        f"elements (best of {stream['reps']} passes, each as slow as its slowest rank)"
+        f"{each}; step/floor = step_ms / floor"
     ]
 
 

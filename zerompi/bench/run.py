@@ -1,7 +1,7 @@
-"""The whole benchmark: the memory bandwidth of all ranks streaming at once (once, for
-every row's floor), every model size (one row per stage, the bare baseline, the torch
-peers, the kernel, the floor), then the many-tensor rows; the results, identical on
-every rank."""
+"""The whole benchmark: the memory bandwidth of all ranks streaming at once (at the
+start, and right before each stage for that row's floor), every model size (one row
+per stage, the bare baseline, the torch peers, the kernel, the floor), then the
+many-tensor rows; the results, identical on every rank."""
 
 from __future__ import annotations
 
@@ -41,11 +41,14 @@ def bench_size(
     rows, mixed = [], []
     precision = (args.param_dtype, args.reduce_dtype)
     for stage in args.stages:
+        gbps = stream_bandwidth(comm, args.stream_elems)["stream_gbps"]  # (right before)
         row = bench_stage(comm, stage, sizes, grads, args)
+        row["stream_gbps"] = gbps
         say(comm, f"{params:,} params, stage {stage}: step {row['step_ms']:.3f} ms")
         rows.append(row)
         if any(precision):  # the same stage in mixed precision, right after
             low = bench_stage(comm, stage, sizes, grads, args, precision)
+            low["stream_gbps"] = gbps
             low["vs_same_stage"] = ratio(low["step_ms"], row["step_ms"])
             say(comm, f"{params:,} params, stage {stage}, {low['param_dtype']} params, "
                       f"{low['reduce_dtype']} gradients: step {low['step_ms']:.3f} ms")  # fmt: skip
@@ -115,8 +118,8 @@ def _measure(
     rows: list[dict[str, Any]] = []
     for params in args.sizes:
         rows.extend(bench_size(comm, params, args, torch))
-    for row in rows:
-        row.update(floor_fields(row, stream["stream_gbps"]))
+    for row in rows:  # each against the bandwidth probed right before its stage
+        row.update(floor_fields(row, row.get("stream_gbps") or stream["stream_gbps"]))
     tensor_rows = bench_many_tensors(comm, args) if args.tensors else []
     for row in tensor_rows:
         say(
