@@ -12,13 +12,14 @@ references). Per step and matrix ``W`` (``G`` the averaged gradient)::
     W = W * (1 - lr * weight_decay) - lr * O
 
 A matrix is cut across shards by the flat layout, so its momentum is assembled whole
-on one rank, its *owner*, chosen once to balance the Newton-Schulz work (``rows *
-cols * min(rows, cols)``, largest first, to the least loaded rank; which matrices are
-Muon's is fixed at construction): one ``Alltoallv`` with exact counts sends each
-rank's part of each matrix (its shard of it) to the owner, the owner orthogonalizes,
-and a second ``Alltoallv`` returns to every rank its part. At stage 0 every rank holds
-every matrix: the owner orthogonalizes its own copy and broadcasts the result. The
-orthogonalized update replaces the gradient in place; the states are Adam's two
+on one rank, its *owner*, chosen once (:func:`owners`: the largest Newton-Schulz work,
+``rows * cols * min(rows, cols)``, first, to the rank counting most of it while the
+work stays even; which matrices are Muon's is fixed at construction): one
+``Alltoallv`` with exact counts sends each rank's part of each matrix (its shard of
+it) to the owner, the owner orthogonalizes, and a second ``Alltoallv`` returns to
+every rank its part. At stage 0 every rank holds every matrix: the owner
+orthogonalizes its own copy and broadcasts the result. The orthogonalized update
+replaces the gradient in place; the states are Adam's two
 (``exp_avg``: a matrix's momentum; ``exp_avg_sq``: unused for a matrix). All of it
 runs in the rule's workspace (:meth:`Muon.workspace`: the parts exchanged, one
 assembled matrix and the Newton-Schulz products of the largest the rank owns),
@@ -194,7 +195,10 @@ class Muon(Rule):
                         gb += tb
                     else:
                         gb[...] = mb
-        owner = _owners(matrices, layout, world.stage)
+        key = ("muon owners", tuple(p.name for p in matrices))
+        owner = world.memo.get(key)
+        if owner is None:  # (once: a loop over ranks x matrices)
+            owner = world.memo[key] = _owners(matrices, layout, world.stage)
         by_dtype: dict[str, list[Any]] = {}
         for dtype in layout.sizes:
             mats = [(p, owner[p.name]) for p in matrices if p.dtype == dtype]
