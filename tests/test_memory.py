@@ -263,6 +263,80 @@ def test_cli_json() -> None:
     assert result["world_size"] == 4 and result["stage"] == 3
 
 
+@pytest.mark.mpi_skip
+def test_bfloat16_is_sized_without_ml_dtypes() -> None:
+    """The estimator needs only a bfloat16's size: with ``ml_dtypes`` unimportable,
+    ``--param-dtype bfloat16 --reduce-dtype bfloat16`` answers as it does with it
+    (every buffer and dtype named bfloat16), and never imports it."""
+    code = ("import sys; sys.modules['ml_dtypes'] = None  # import ml_dtypes raises\n"
+            "from zerompi.memory.cli import main\n"
+            "main(sys.argv[1:])\n")  # fmt: skip
+    args = ["--params", "2.5e6", "--world", "4", "--stage", "2", "--param-dtype", "bfloat16",
+            "--reduce-dtype", "bfloat16", "--json"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)["max_over_ranks"]
+    want = estimate_max(flat_specs(2_500_000, 1 << 22), 4, 2, param_dtype="bfloat16",
+                        reduce_dtype="bfloat16")  # fmt: skip
+    assert result["usage"] == want["usage"] and result["buffers"] == want["buffers"]
+    assert result["precision"] == {"float32": ["bfloat16", "bfloat16"]}
+    assert "params.float32.bfloat16" in result["buffers"]
+    assert not any("int16" in name for name in result["buffers"])
+    code = ("import sys, zerompi.memory.cli as c\n"
+            "c.main(sys.argv[1:]); print('ml_dtypes' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, *args[:-1]], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "False", proc.stderr
+
+
+def test_counts_take_the_notation_of_the_other_tools(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--params 7e9`` is 7,000,000,000 (as ``--sizes 1.6e7`` is in the bench); a
+    count that is no whole number is refused, naming it."""
+    outputs = []
+    for params in ("2.5e6", "2500000"):
+        assert main(["--params", params, "--world", "3", "--stage", "1", "--json"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0] == outputs[1] and outputs[0]["max_over_ranks"]["params"] == 2_500_000
+    for bad in ("7.5", "1e-3", "x"):
+        with pytest.raises(SystemExit):
+            main(["--params", bad, "--world", "3", "--stage", "1"])
+        assert repr(bad) in capsys.readouterr().err
+
+
+def test_many_ranks_share_one_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's sum and the maximum over every rank (8-bit Adam's per-block states)
+    build the buckets once, then each rank's layout from them (what makes an estimate
+    at 2048 ranks answer in a second, ``python -m zerompi.memory --params 7e9 --nodes
+    256 --ranks-per-node 8 --stage 3``), with the figures each rank's own layout gives."""
+    import zerompi.memory as memory
+
+    built = []
+    real = memory.optimizer_layout
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        built.append(args[1:4])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "optimizer_layout", counting)
+    memory._last_layout.clear()
+    specs = flat_specs(1000, 70)
+    options = {"ranks_per_node": 4, "optimizer": "adam8bit"}
+    top = memory.estimate_max(specs, 12, 3, 70, **options)
+    node = memory.estimate_node(specs, 12, 1, 3, 70, **options)
+    assert built == [(12, 0, 3)]  # once, for rank 0, whatever ranks were asked
+    monkeypatch.setattr(memory, "optimizer_layout", real)
+    for rank in range(12):  # the maximum holds every rank's figures, each estimated afresh
+        memory._last_layout.clear()
+        one = memory.estimate(specs, 12, rank, 3, 70, **options)
+        for key in ("usage", "buffers"):
+            for name, value in one[key].items():
+                assert top[key][name] >= value
+    memory._last_layout.clear()
+    own = [memory.estimate(specs, 12, r, 3, 70, **options)["usage"] for r in range(4, 8)]
+    assert node == {c: sum(u[c] for u in own) for c in node}
+
+
 def _nonzero(books: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     return {op: entry for op, entry in books.items() if any(entry.values())}
 

@@ -181,6 +181,42 @@ def test_layout_buckets_shard_every_element_once(world: int, bucket_elems: int) 
         assert sum(layout.shard_sizes[dtype] for layout in layouts) == size
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 40])
+@pytest.mark.parametrize("bucket_elems", [1, 5, 13, 10_000])
+def test_a_layout_for_another_rank_is_the_one_built_there(world: int, bucket_elems: int) -> None:
+    """``for_rank`` (what the estimator uses for the other ranks of a world) gives
+    exactly the layout that rank builds itself: every field, shard offsets included."""
+    first = Layout.build(SPECS, world, 0, bucket_elems)
+    for r in range(world):
+        assert first.for_rank(r) == Layout.build(SPECS, world, r, bucket_elems)
+    if world > 1:  # (a field that differs makes them unequal: the check can fail)
+        assert first.for_rank(world - 1) != first
+    with pytest.raises(ValueError, match=f"rank {world} is out of range"):
+        first.for_rank(world)
+
+
 def test_layout_rejects_bad_rank() -> None:
     with pytest.raises(ValueError, match="rank 3 is out of range for world_size 3"):
         Layout.build(SPECS, 3, 3, 16)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 40])
+@pytest.mark.parametrize("bucket_elems", [1, 5, 13, 10_000])
+def test_a_per_block_state_is_counted_as_its_slots_add_up(world: int, bucket_elems: int) -> None:
+    """``blockwise.count`` of a state of one span (per block: computed for all buckets
+    at once) is the sum of the :func:`zerompi.blockwise.slots` the optimizer lays out,
+    on every rank (empty shards among them) and stage, for blocks of several sizes."""
+    from zerompi import blockwise
+    from zerompi.buffers import StateKind
+
+    for stage in (0, 1, 3):
+        for block in (1, 2, 3, 8, 64):
+            kind = StateKind("scales", per="block", block=block)
+            for r in range(world):
+                layout = Layout.build(SPECS, world, r, bucket_elems, merge=stage != 3)
+                for dtype in layout.sizes:
+                    spans = blockwise.spans_of(kind, layout, dtype)
+                    slots = blockwise.slots(layout, stage, dtype, spans)
+                    assert blockwise.count(layout, stage, dtype, spans) == sum(
+                        s.count for s in slots
+                    ), (stage, block, r, dtype)

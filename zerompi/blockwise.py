@@ -58,8 +58,15 @@ class Spans:
     def touched(self, first: int, count: int) -> tuple[int, int]:
         """``(lo, hi)``: the entries of every unit elements ``first ... first +
         count`` touch (``(0, 0)`` for none)."""
-        lo = hi = None
         stop = first + count
+        if len(self.spans) == 1:  # (one span, a per-block state: no search)
+            s = self.spans[0]
+            if stop <= first or stop <= s.start or first >= s.stop or s.stop <= s.start:
+                return 0, 0
+            u0 = (max(first, s.start) - s.start) // s.unit
+            u1 = (min(stop, s.stop) - 1 - s.start) // s.unit + 1
+            return s.base + u0 * s.width, s.base + u1 * s.width
+        lo = hi = None
         for s in self._overlapping(first, stop):
             u0 = (max(first, s.start) - s.start) // s.unit
             u1 = (min(stop, s.stop) - 1 - s.start) // s.unit + 1
@@ -168,8 +175,23 @@ def slots(layout: Layout, stage: int, dtype: np.dtype, spans: Spans) -> list[Slo
 
 
 def count(layout: Layout, stage: int, dtype: np.dtype, spans: Spans) -> int:
-    """Entries of a state of ``dtype`` on this rank."""
-    return sum(s.count for s in slots(layout, stage, dtype, spans))
+    """Entries of a state of ``dtype`` on this rank: the sum of its :func:`slots`'
+    counts (for a state of one span, a per-block one, computed for every bucket at
+    once: an estimate over thousands of ranks asks this of each)."""
+    if len(spans.spans) != 1:
+        return sum(s.count for s in slots(layout, stage, dtype, spans))
+    span, rank = spans.spans[0], layout.rank
+    mine = [b for b in layout.buckets if b.dtype == dtype]
+    if stage == 0:
+        held_ = np.array([(b.start, b.size) for b in mine], np.int64).reshape(-1, 2)
+    else:
+        held_ = np.array([(b.start + b.displs[rank], b.counts[rank]) for b in mine],
+                         np.int64).reshape(-1, 2)  # fmt: skip
+    first, stop = held_[:, 0], held_[:, 0] + held_[:, 1]
+    lo, hi = np.maximum(first, span.start), np.minimum(stop, span.stop)
+    some = (stop > first) & (hi > lo)  # (what Spans.touched counts as touching)
+    units = (hi - 1 - span.start) // span.unit + 1 - (lo - span.start) // span.unit
+    return int(np.sum(units[some])) * span.width
 
 
 def in_run(spans: Spans, base: int, origin: int, lo: int, hi: int) -> slice:

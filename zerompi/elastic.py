@@ -142,18 +142,23 @@ def pieces(
     for kind in state_kinds(states):
         if isinstance(kind, StateKind) and kind.units:
             continue
+        # (section, dtype) per master dtype, once: a dtype's name is slow to get, and a
+        # large model has thousands of buckets
+        each = {d: (f"{kind.label}.{d.name}", d if kind is Kind.PARAMS else kind.storage(d))
+                for d in layout.sizes}  # fmt: skip
         for bucket in layout.buckets:
             lo, hi = bucket.local(rank)
-            dtype = bucket.dtype if kind is Kind.PARAMS else kind.storage(bucket.dtype)
-            out.append((f"{kind.label}.{bucket.dtype.name}", bucket.start + lo, hi - lo, dtype))
+            section, dtype = each[bucket.dtype]
+            out.append((section, bucket.start + lo, hi - lo, dtype))
     for kind in states:
         if not kind.units:
             continue
         spans = {d: spans_of(kind, layout, d) for d in layout.sizes}
+        each = {d: (f"{kind.label}.{d.name}", kind.storage(d)) for d in layout.sizes}
         for index, bucket in enumerate(layout.buckets):
             lo, hi = spans[bucket.dtype].touched(*held(layout, stage, index, rank))
-            out.append((f"{kind.label}.{bucket.dtype.name}", lo, hi - lo,
-                        kind.storage(bucket.dtype)))  # fmt: skip
+            section, dtype = each[bucket.dtype]
+            out.append((section, lo, hi - lo, dtype))
     return out
 
 

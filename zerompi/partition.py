@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -59,6 +60,15 @@ def shard_counts(total: int, world_size: int) -> tuple[list[int], list[int]]:
     per_rank = -(-int(total) // int(world_size))
     edges = np.minimum(np.arange(int(world_size) + 1, dtype=np.int64) * per_rank, int(total))
     return np.diff(edges).tolist(), edges[:-1].tolist()
+
+
+@lru_cache(maxsize=256)
+def _shared_counts(total: int, world_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`shard_counts` as tuples, one pair for every bucket of the same size: the
+    buckets of a large model are mostly of one size, so a layout of thousands of
+    ranks holds their counts once (an estimate at 2048 ranks built them per bucket)."""
+    counts, displs = shard_counts(total, world_size)
+    return tuple(counts), tuple(displs)
 
 
 def plan_buckets(sizes: Sequence[int], target: int) -> list[list[int]]:
@@ -247,18 +257,13 @@ class Layout:
                 specs_in = [p for i in members for p in units[i]]
                 start = specs_in[0].offset
                 stop = specs_in[-1].offset + specs_in[-1].size
-                counts, displs = shard_counts(stop - start, world_size)
+                counts, displs = _shared_counts(stop - start, world_size)
                 buckets.append(
                     Bucket(
-                        dtype,
-                        start,
-                        stop,
-                        tuple(p.name for p in specs_in),
-                        tuple(counts),
-                        tuple(displs),
+                        dtype, start, stop, tuple(p.name for p in specs_in), counts, displs,
                         shard_offset,
                     )
-                )
+                )  # fmt: skip
                 shard_offset += counts[rank]
             shard_sizes[dtype] = shard_offset
         groups: dict[str, tuple[str, ...]] = {}
@@ -269,6 +274,22 @@ class Layout:
             world_size, rank, tuple(params), tuple(buckets), sizes, shard_sizes, groups, bucket_of
         )
 
+    def for_rank(self, rank: int) -> Layout:
+        """The same layout on ``rank`` of the same world: its buckets and counts
+        shared with this one (nothing recomputed), that rank's shard offsets and
+        sizes. What an estimate of every rank of a large world builds once."""
+        if rank == self.rank:
+            return self
+        shard_range(0, self.world_size, rank)  # validates rank
+        offsets = dict.fromkeys(self.sizes, 0)
+        buckets = []
+        for b in self.buckets:  # (the constructor: dataclasses.replace is slower)
+            buckets.append(Bucket(b.dtype, b.start, b.stop, b.names, b.counts, b.displs,
+                                  offsets[b.dtype]))  # fmt: skip
+            offsets[b.dtype] += b.counts[rank]
+        return Layout(self.world_size, rank, self.params, tuple(buckets), self.sizes, offsets,
+                      self.groups, self.bucket_of)  # fmt: skip
+
     def max_bucket(self, dtype: np.dtype) -> int:
         """Elements of the largest bucket of ``dtype``: the size of a staging buffer."""
         return max((b.size for b in self.buckets if b.dtype == dtype), default=0)
@@ -276,7 +297,8 @@ class Layout:
     def max_part(self, dtype: np.dtype) -> int:
         """Elements of the largest shard of any bucket of ``dtype`` on any rank: what
         a 16-bit reduction receives from each rank."""
-        return max((max(b.counts) for b in self.buckets if b.dtype == dtype), default=0)
+        # rank 0's shard of a bucket is its largest (shard_range: ceil-division)
+        return max((b.counts[0] for b in self.buckets if b.dtype == dtype), default=0)
 
 
 #: Default bucket size in elements (16 MiB of float32): large enough that the

@@ -231,10 +231,11 @@ def buffer_plan(
     low_any = any(p.low_grads for p in (precisions or {}).values())
 
     def widest(dtype: np.dtype) -> int:  # elements of the widest region of a bucket
-        return max(
-            (sum(b.counts[r] for r in region or ()) for b in layout.buckets if b.dtype == dtype),
-            default=0,
-        )
+        # (a bucket's counts follow from its size: each size once, for thousands of
+        # buckets of a few sizes)
+        firsts = {b.size: b for b in layout.buckets if b.dtype == dtype}
+        return max((sum(b.counts[r] for r in region or ()) for b in firsts.values()),
+                   default=0)  # fmt: skip
 
     def add(kind: AnyKind, dtype: np.dtype, count: int, group: np.dtype) -> None:
         placement = kind.shared if kind in plan.node_memory else Placement.PRIVATE

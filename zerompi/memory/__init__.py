@@ -33,6 +33,7 @@ Command line: ``python -m zerompi.memory --params N --world W --stage S`` (or
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
@@ -46,6 +47,7 @@ from ..elastic import buddy_ranks, snapshot_bytes, snapshot_plan
 from ..partition import (
     DEFAULT_BUCKET_ELEMS,
     SUPPORTED_DTYPES,
+    Layout,
     default_group,
     optimizer_layout,
 )
@@ -68,10 +70,17 @@ MODEL_STATES = (Kind.PARAMS, Kind.PARAMS_LOW, Kind.MASTER, Kind.GRADS, Kind.GRAD
 PAPER_ARRAYS = {0: (4, 0), 1: (2, 2), 2: (1, 3), 3: (0, 4)}
 
 
+class Checked(list):  # type: ignore[type-arg]
+    """Specs :func:`check_specs` returned: checked once, not again by every estimate
+    of a world's ranks."""
+
+
 def check_specs(specs: Sequence[tuple[str, Sequence[int], Any]]) -> list[Spec]:
     """Validate ``(name, shape, dtype)`` triples as ``ZeroOptimizer`` validates its
     parameters, and normalise them (tuple shapes of ints, ``np.dtype``)."""
-    out: list[Spec] = []
+    if isinstance(specs, Checked):
+        return specs
+    out: list[Spec] = Checked()
     seen: set[str] = set()
     for item in specs:
         try:
@@ -91,7 +100,7 @@ def check_specs(specs: Sequence[tuple[str, Sequence[int], Any]]) -> list[Spec]:
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"parameter {name!r} has a negative dimension: {shape}")
-        if int(np.prod(shape, dtype=np.int64)) == 0:
+        if math.prod(shape) == 0:
             raise ValueError(f"parameter {name!r} has no elements (shape {shape})")
         out.append((name, shape, dtype))
     if not out:
@@ -164,6 +173,7 @@ def estimate(
     snapshot_every: int = 10,
     optimizer: str = "adam",
     param_groups: Sequence[Mapping[str, Any]] | None = None,
+    traffic: bool = True,
 ) -> dict[str, Any]:
     """The memory of ``ZeroOptimizer`` on ``rank`` of ``world_size``, without MPI.
 
@@ -185,6 +195,8 @@ def estimate(
     the update rule (:mod:`zerompi.rules`), whose states and scratch are counted;
     ``param_groups`` (the optimizer's: names and settings) where the rule's workspace
     depends on them (Muon's: which matrices are Muon's, ``muon=False`` groups not).
+    ``traffic=False`` leaves the traffic books out (``None``): what a sum or maximum
+    over many ranks, which takes only the bytes held, skips.
 
     Returns a dict:
 
@@ -203,10 +215,10 @@ def estimate(
       (elements), ``params_by_dtype``, ``buckets``, ``max_bucket_elems``.
     """
     checked = check_specs(specs)
-    layout = optimizer_layout(checked, world_size, rank, stage, bucket_elems, group_of)
+    layout = _layout(checked, world_size, rank, stage, bucket_elems, group_of)
     precs = precisions(
-        list(layout.sizes), resolve_dtype(param_dtype, "param_dtype"),
-        resolve_dtype(reduce_dtype, "reduce_dtype"),
+        list(layout.sizes), _sizing_dtype(param_dtype, "param_dtype"),
+        _sizing_dtype(reduce_dtype, "reduce_dtype"),
     )  # fmt: skip
     per_node = ranks_per_node or world_size
     shared = uses_shared(False if elastic else shared_memory, stage, world_size, per_node)
@@ -222,7 +234,7 @@ def estimate(
                        workspace=workspace)  # fmt: skip
     if full_grads and stage == 2:
         plan += full_grads_plan(layout, precs, shared)
-    traffic = step_traffic(layout, stage, precs, shared, per_node)
+    books = step_traffic(layout, stage, precs, shared, per_node) if traffic else None
     if elastic:  # the snapshots (zerompi.elastic): this rank's and its source's (x2)
         members = [range(n * per_node, (n + 1) * per_node) for n in range(count)]
         buddy, source = buddy_ranks(world_size, rank, members if count > 1 else None)
@@ -230,11 +242,13 @@ def estimate(
         sent = snapshot_bytes(layout, rank, rule.states, stage)
         received = snapshot_bytes(layout, source, rule.states, stage)
         far = (buddy // per_node != rank // per_node, source // per_node != rank // per_node)
-        traffic["snapshot"] = {
+        snapshot = {
             "sent": round(sent / snapshot_every), "received": round(received / snapshot_every),
             "sent_between": round(sent / snapshot_every) * far[0],
             "received_between": round(received / snapshot_every) * far[1],
         }  # fmt: skip
+        if books is not None:
+            books["snapshot"] = snapshot
     usage = dict.fromkeys(CATEGORIES, 0)
     buffers: dict[str, int] = {}
     exact = 0
@@ -246,6 +260,8 @@ def estimate(
         buffers[buf.name] = nbytes
         exact += nbytes if buf.kind in MODEL_STATES or isinstance(buf.kind, StateKind) else 0
     total = sum(usage.values())
+    if any(d is BFLOAT16_SIZE for p in precs.values() for d in (p.param, p.reduce)):
+        buffers = {_bf16_named(name): n for name, n in buffers.items()}
     return {
         "world_size": world_size,
         "rank": rank,
@@ -256,7 +272,7 @@ def estimate(
         "shared_memory": shared,
         "ranks_per_node": per_node,
         "nodes": count,
-        "traffic": traffic,
+        "traffic": books,
         "buckets": len(layout.buckets),
         "max_bucket_elems": max(b.size for b in layout.buckets),
         "usage": usage,
@@ -269,8 +285,50 @@ def estimate(
             layout.sizes, world_size, stage, precs, per_node if shared else 1
         ),
         "bytes_per_param": {d.name: bytes_per_param(stage, p) for d, p in precs.items()},
-        "precision": {d.name: (p.param.name, p.reduce.name) for d, p in precs.items()},
-    }
+        "precision": {d.name: (_bf16_named(p.param.name), _bf16_named(p.reduce.name))
+                      for d, p in precs.items()},
+    }  # fmt: skip
+
+
+#: What the estimator sizes a bfloat16 copy with: a 2-byte dtype that is no parameter's
+#: (its name reads ``bfloat16`` in every result). The estimator only needs a bfloat16's
+#: size, so it neither needs ``ml_dtypes`` (nor pays for importing it).
+BFLOAT16_SIZE = np.dtype(np.int16)
+
+
+def _sizing_dtype(value: object, what: str) -> np.dtype | None:
+    """``resolve_dtype(value)``, but bfloat16 as :data:`BFLOAT16_SIZE`."""
+    if isinstance(value, str) and value.strip().lower() in ("bfloat16", "bf16"):
+        return BFLOAT16_SIZE
+    if isinstance(value, np.dtype) and value.name == "bfloat16":
+        return BFLOAT16_SIZE
+    return resolve_dtype(value, what)
+
+
+def _bf16_named(name: str) -> str:
+    """A buffer or dtype name with :data:`BFLOAT16_SIZE` read as bfloat16."""
+    parts = name.split(".")
+    return ".".join("bfloat16" if p == BFLOAT16_SIZE.name else p for p in parts)
+
+
+#: The last layout :func:`estimate` built, on rank 0: ``(key, layout)``. An estimate
+#: of several ranks of one world (a node's ranks, the maximum over ranks) builds the
+#: buckets once and derives each rank's from it (:meth:`Layout.for_rank`).
+_last_layout: list[tuple[tuple[Any, ...], Layout]] = []
+
+
+def _layout(
+    specs: Sequence[Spec], world_size: int, rank: int, stage: int, bucket_elems: int,
+    group_of: Callable[[str], str],
+) -> Layout:  # fmt: skip
+    """:func:`zerompi.partition.optimizer_layout`, remembered for the next rank."""
+    key = (tuple((n, tuple(s), d) for n, s, d in specs), world_size, stage, bucket_elems,
+           group_of)  # fmt: skip
+    if _last_layout and _last_layout[0][0] == key:
+        return _last_layout[0][1].for_rank(rank)
+    layout = optimizer_layout(specs, world_size, 0, stage, bucket_elems, group_of)
+    _last_layout[:] = [(key, layout)]
+    return layout.for_rank(rank)
 
 
 def uses_shared(asked: bool | None, stage: int, world_size: int, ranks_per_node: int) -> bool:
@@ -303,9 +361,10 @@ def estimate_node(
     its ranks (a node-shared buffer once)."""
     per_node = ranks_per_node or world_size
     total = dict.fromkeys(CATEGORIES, 0)
+    specs = check_specs(specs)  # (once for all its ranks)
     for rank in range(node * per_node, min((node + 1) * per_node, world_size)):
         one = estimate(specs, world_size, rank, stage, bucket_elems, group_of,
-                       ranks_per_node=per_node, **options)  # fmt: skip
+                       ranks_per_node=per_node, traffic=False, **options)  # fmt: skip
         for cat, value in one["usage"].items():
             total[cat] += value
     return total
@@ -336,6 +395,7 @@ def estimate_max(
     workspace (Muon's: the matrices a rank owns), each figure is the maximum over
     every rank (a rank with a smaller shard may touch more units, or own more).
     """
+    specs = check_specs(specs)  # (once for all the ranks)
     first = estimate(specs, world_size, 0, stage, bucket_elems, group_of, **options)
     others: set[int] = set()
     if options.get("elastic"):
@@ -348,7 +408,8 @@ def estimate_max(
         others |= set(range(world_size))
     for rank in sorted(others - {0}):
         if rank < world_size:
-            other = estimate(specs, world_size, rank, stage, bucket_elems, group_of, **options)
+            other = estimate(specs, world_size, rank, stage, bucket_elems, group_of,
+                             traffic=False, **options)  # fmt: skip
             for key in ("usage", "buffers"):
                 for name, value in other[key].items():
                     first[key][name] = max(first[key].get(name, 0), value)

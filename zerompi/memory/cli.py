@@ -14,18 +14,8 @@ from ..buffers import CATEGORIES
 from ..partition import DEFAULT_BUCKET_ELEMS, STAGES
 from ..precision import NAMES
 from ..rules import RULES
-from ..runtime import add_shared_memory_options
+from ..runtime import add_shared_memory_options, count
 from . import Spec, estimate, estimate_max, estimate_node, flat_specs, mlp_specs
-
-
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
 
 
 def _mlp_arg(value: str) -> tuple[int, int, int, int]:
@@ -75,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument(
         "--params",
-        type=_positive,
+        type=count,
         metavar="N",
         help="a model of N parameters (elements), as ceil(N/L) 1-D parameters of L "
         "elements (see --layer-elems), each its own group",
@@ -87,11 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="exactly the MLP of 'python -m zerompi.driver --in-dim IN --hidden HIDDEN "
         "--depth DEPTH --classes CLASSES'",
     )
-    p.add_argument("--world", type=_positive, metavar="W",
+    p.add_argument("--world", type=count, metavar="W",
                    help="world size (default: --nodes x --ranks-per-node)")  # fmt: skip
-    p.add_argument("--nodes", type=_positive, metavar="N",
+    p.add_argument("--nodes", type=count, metavar="N",
                    help="nodes (default: W / --ranks-per-node, or 1)")  # fmt: skip
-    p.add_argument("--ranks-per-node", type=_positive, metavar="L",
+    p.add_argument("--ranks-per-node", type=count, metavar="L",
                    help="ranks per node, consecutive ones (default: W / N)")  # fmt: skip
     p.add_argument(
         "--stage", type=int, choices=STAGES, required=True, help="ZeRO stage (0: plain DP)"
@@ -101,14 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bucket-elems",
-        type=_positive,
+        type=count,
         default=DEFAULT_BUCKET_ELEMS,
         metavar="B",
         help="the optimizer's bucket_elems (target elements per bucket)",
     )
     p.add_argument(
         "--layer-elems",
-        type=_positive,
+        type=count,
         default=None,
         metavar="L",
         help="with --params: elements per parameter (default: --bucket-elems)",
@@ -136,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic", action="store_true",
                    help="the optimizer's elastic=True: its in-memory snapshots (this rank's "
                    "shard state once, its buddy's twice), and no node shared memory")
-    p.add_argument("--snapshot-every", type=_positive, default=10, metavar="K",
+    p.add_argument("--snapshot-every", type=count, default=10, metavar="K",
                    help="with --elastic: a snapshot every K steps (its traffic per step)")
     p.add_argument("--optimizer", choices=tuple(RULES), default="adam",
                    help="the update rule, whose states are counted (zerompi.rules)")
@@ -145,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _mib(count: float) -> str:
-    return f"{count / 2**20:,.3f}"
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.3f}"
 
 
 def _specs_from_args(args: argparse.Namespace) -> tuple[list[Spec], str]:
@@ -177,8 +167,8 @@ def _report(
         "per rank (max over ranks) and per node (node 0: the most):",
         f"  {'category':<24}{'rank bytes':>16}{'MiB':>12}{'node bytes':>18}{'MiB':>12}",
     ]
-    for category, count in r["usage"].items():
-        lines.append(f"  {category:<24}{count:>16,}{_mib(count):>12}"
+    for category, nbytes in r["usage"].items():
+        lines.append(f"  {category:<24}{nbytes:>16,}{_mib(nbytes):>12}"
                      f"{node[category]:>18,}{_mib(node[category]):>12}")  # fmt: skip
     node_total = sum(node.values())
     lines.append(f"  {'total':<24}{r['total_bytes']:>16,}{_mib(r['total_bytes']):>12}"
@@ -209,8 +199,8 @@ def _report(
         "",
         "named buffers:",
     ]
-    for name, count in r["buffers"].items():
-        lines.append(f"  {name:<32}{count:>16,}{_mib(count):>14}")
+    for name, nbytes in r["buffers"].items():
+        lines.append(f"  {name:<32}{nbytes:>16,}{_mib(nbytes):>14}")
     if per_rank is not None:
         short = dict(
             zip(CATEGORIES, ("opt_states", "grads", "params", "comm_bufs", "scratch", "snapshots"),

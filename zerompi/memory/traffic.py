@@ -19,6 +19,7 @@ stage 3 reads the node's copy in place and the step publishes it as stages 1-2 d
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import itemgetter
 
 import numpy as np
 
@@ -46,16 +47,17 @@ def step_traffic(
     docstring); consecutive groups of ``ranks_per_node`` ranks are one node."""
     rank, world, per = layout.rank, layout.world_size, ranks_per_node
     node, local = rank // per, rank % per
-    off = [q // per != node for q in range(world)]
-    far = sum(off)
+    first, last = node * per, min((node + 1) * per, world)  # this rank's node
+    far = world - (last - first)  # ranks on other nodes
     nodes = -(-world // per)
     peers = [n * per + local for n in range(nodes) if n * per + local < world]
+    of_peers = itemgetter(*peers)  # (a tuple of counts: one item, or several)
     books: Books = {}
     low_any = any(p.low_grads for p in precisions.values())  # stage 1 reduces by MPI
 
-    def between(op: str, counts: list[int], it: int) -> tuple[int, int]:
+    def between(op: str, counts: tuple[int, ...], it: int) -> tuple[int, int]:
         mine = counts[rank]
-        theirs = sum(c for c, o in zip(counts, off, strict=True) if o)
+        theirs = bucket.size - sum(counts[first:last])  # what the other nodes hold
         if op == "allgatherv":
             return far * mine * it, theirs * it
         return theirs * it, far * mine * it
@@ -63,9 +65,9 @@ def step_traffic(
     for bucket in layout.buckets:
         prec = precisions[bucket.dtype]
         m, p, r = prec.master.itemsize, prec.param.itemsize, prec.reduce.itemsize
-        counts, size = list(bucket.counts), bucket.size
+        counts, size = bucket.counts, bucket.size
         mine = counts[rank]
-        region = sum(counts[q] for q in peers)
+        region = sum(of_peers(counts)) if len(peers) > 1 else mine
         rs_textbook = ((size - mine) * r, (world - 1) * mine * r)
         ag_textbook = ((world - 1) * mine * p, (size - mine) * p)
         # -- the reduction
