@@ -105,3 +105,29 @@ ok = os.path.samefile(os.path.dirname(zerompi.__file__), os.path.join(sys.argv[1
 sys.exit(not (ok and MPI.Get_library_version().startswith("Open MPI")))
 PYEOF
 }
+
+# zerompi_wait PID: wait for the background command PID as for a foreground one, and
+# return its status, but stoppable: a TERM, INT or HUP sent to this script ends PID's
+# descendants and their process groups first (python -m zerompi.children end-tree:
+# a `timeout` or an mpiexec in a group of its own, which a signal to this script's
+# group never reaches), then this script, by that signal. Without it a script stopped
+# by `timeout` or Ctrl-C while it waits left its mpiexec and ranks running (#27).
+#   "$MPIEXEC" -n 2 ... &
+#   zerompi_wait $!
+zerompi_wait() {
+    local pid=$1 status
+    # shellcheck disable=SC2064  # (the PID now, not when the trap runs)
+    for sig in TERM INT HUP; do trap "zerompi_forward $sig $pid" "$sig"; done
+    wait "$pid"
+    status=$?
+    trap - TERM INT HUP
+    return "$status"
+}
+
+zerompi_forward() {  # SIGNAL PID: what zerompi_wait's traps run
+    PYTHONPATH="$ZEROMPI_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m zerompi.children end-tree "$2"
+    kill "$2" 2>/dev/null
+    wait "$2" 2>/dev/null
+    trap - "$1"
+    kill -s "$1" $$
+}

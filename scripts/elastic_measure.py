@@ -20,6 +20,7 @@ Prints one table per part. Kills go through tests/elastic_script.py's pauses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -30,7 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from zerompi.children import process_group
+
 ROOT = Path(__file__).resolve().parent.parent
+GROUPS = contextlib.ExitStack()  # every launched group, ended (if still running) at the end
 SCRIPT = ROOT / "tests" / "elastic_script.py"
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 
@@ -43,9 +47,10 @@ def launch(tmp: Path, ranks: int, args: list[str], pauses: str = "", ft: bool = 
     ulfm = ["--with-ft", "ulfm"] if ft else []
     cmd = [MPIEXEC, *ulfm, "--oversubscribe", "-n", str(ranks),
            sys.executable, *(program or [str(SCRIPT)]), *args, "--json", str(out)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    # A group of its own, ended with this script (zerompi.children: a timeout's
+    # SIGTERM or a Ctrl-C ends mpiexec and every rank too); left open until main's end.
+    proc = GROUPS.enter_context(process_group(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))  # fmt: skip
     return proc, control, out
 
 
@@ -172,7 +177,7 @@ def main() -> None:
     model = ["--hidden", str(a.hidden), "--depth", str(a.depth), "--in-dim", str(a.in_dim),
              "--stage", str(a.stage), "--batch", "256", "--log-every", "1000",
              "--blas-threads", "1"]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
+    with GROUPS, tempfile.TemporaryDirectory() as tmp:
         parts = set(a.parts.split(","))
         if "1" in parts:
             snapshot_cost(Path(tmp), model, a.steps, a.rounds)

@@ -12,10 +12,14 @@ Skipped without torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -131,3 +135,60 @@ def test_rounds_merge_to_the_median_run() -> None:
     assert merge_rounds(runs[:2])["step_ms"] == 10.0
     failed = merge_rounds([runs[0], {"status": "failed", "reason": "timed out"}])
     assert failed["status"] == "failed" and failed["reason"] == "round 2 of 2: timed out"
+
+
+def _marked(mark: str) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of every live process whose environment holds ``mark``
+    (a zombie's environment reads empty: not counted)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark.encode() not in f.read():
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")))
+        except OSError:  # (gone meanwhile, or not ours)
+            continue
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_launcher_leaves_no_setup_running(signum: int) -> None:
+    """The launcher stopped while a setup trains (SIGTERM, as ``timeout`` sends it to
+    the command alone; SIGINT, as Ctrl-C does) ends its setup's mpiexec and ranks
+    before it ends (``zerompi.children``), and ends by that signal. Before, the setup
+    (in a session of its own) trained on: two ranks of zero-redundancy spun for 11
+    minutes after their launcher was killed. Every process the launcher started
+    carries a mark in its environment; none may be left."""
+    mark = f"zerompi-orphan-test-{uuid.uuid4().hex}"
+    env = {k: v for k, v in os.environ.items() if k != "ZEROMPI_NO_ABORT_HOOK"}
+    env["ZEROMPI_ORPHAN_MARK"] = mark
+    cmd = [sys.executable, "-m", "zerompi.bench", "--model", "gpt", "--sizes", "2e5",
+           "--setups", "zero-redundancy", "--steps", "1000000", "--timeout", "300"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while len([p for p, c in _marked(mark)
+                   if c.startswith(f"{sys.executable} -m zerompi.bench.gpt")]) < 2:  # fmt: skip
+            assert launcher.poll() is None, launcher.communicate()[0].decode()[-2000:]
+            assert time.monotonic() < deadline, "the setup's two ranks never started"
+            time.sleep(0.1)
+        time.sleep(1.0)  # (training)
+        launcher.send_signal(signum)  # the launcher alone, not its setup's group
+        out = launcher.communicate(timeout=60)[0].decode(errors="replace")
+        assert launcher.returncode == -signum, (launcher.returncode, out[-2000:])
+        left = _marked(mark)
+        assert not left, f"still running after the launcher ended: {left}"
+    finally:
+        for pid, _ in _marked(mark):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()

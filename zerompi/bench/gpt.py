@@ -59,7 +59,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -71,6 +70,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..children import end, process_group
 from ..runtime import (
     HelpFormatter,
     Parser,
@@ -363,16 +363,16 @@ def launch(setup: str, size: int, args: argparse.Namespace, folder: str) -> dict
     row = {"setup": setup, "size": size, "ranks": args.ranks, "arch": args.arch,
            "command": " ".join(cmd)}  # fmt: skip
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        text, _ = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec, its proxies and every rank
-        proc.communicate()
-        return {**row, "status": "failed", "reason": f"timed out after {args.timeout:g} s"}
+    # In a group of its own, ended with this launcher (zerompi.children: a timeout's
+    # SIGTERM or a Ctrl-C here ends mpiexec, its proxies and every rank too).
+    with process_group(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True) as proc:  # fmt: skip
+        try:
+            text, _ = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            end(proc, grace=0)  # mpiexec, its proxies and every rank
+            proc.communicate()
+            return {**row, "status": "failed", "reason": f"timed out after {args.timeout:g} s"}
     row["seconds"] = time.perf_counter() - start
     if proc.returncode != 0 or not os.path.exists(out):
         return {**row, "status": "failed", "reason": _reason(text, proc.returncode)}
