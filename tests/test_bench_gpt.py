@@ -30,12 +30,15 @@ from zerompi.torch.gpt import parameter_count
 
 pytestmark = pytest.mark.mpi_skip
 ROOT = Path(__file__).parent.parent
+OURS_AND_TORCH = [s for s in SETUPS if not s.startswith("deepspeed-")]
+DEEPSPEED = [s for s in SETUPS if s.startswith("deepspeed-")]
 
 
 def test_tiny_run_has_a_row_per_setup(tmp_path: Path) -> None:
     out = tmp_path / "made" / "gpt.json"  # the folder is made
     cmd = [sys.executable, "-m", "zerompi.bench", "--model", "gpt", "--sizes", "2e5"]
     cmd += ["--steps", "2", "--warmup", "1", "--timeout", "60", "--json", str(out)]
+    cmd += ["--setups", ",".join(OURS_AND_TORCH)]  # (DeepSpeed's: the tests below)
     env = {k: v for k, v in os.environ.items() if k != "ZEROMPI_NO_ABORT_HOOK"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     text = proc.stdout + proc.stderr
@@ -43,7 +46,7 @@ def test_tiny_run_has_a_row_per_setup(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     assert results["ranks"] == 2 and results["steps"] == 2
     rows = results["rows"]
-    assert [r["setup"] for r in rows] == list(SETUPS), text
+    assert [r["setup"] for r in rows] == OURS_AND_TORCH, text
     for row in rows:
         assert row["status"] in ("ok", "unsupported"), f"{row['setup']}: {row['reason']}"
         if row["status"] == "unsupported":
@@ -60,6 +63,53 @@ def test_tiny_run_has_a_row_per_setup(tmp_path: Path) -> None:
     losses = {r["setup"]: r["last_loss"] for r in rows if r["status"] == "ok"}
     assert max(losses.values()) - min(losses.values()) <= 1e-4 * max(losses.values()), losses
     assert "| params | setup | step ms |" in proc.stdout
+
+
+@pytest.mark.timeout(960)  # (the command's own limit, 900 s, ends it first)
+def test_deepspeed_zero_trains_as_ddp_does(tmp_path: Path) -> None:
+    """DeepSpeed's ZeRO stages 1-3 (torch's fused AdamW as the client optimizer) and
+    stage 2 with ``DeepSpeedCPUAdam``, on its CPU accelerator over gloo, are peer rows
+    of the same bench: every one runs and ends at DDP's loss (a DeepSpeed that clips
+    at 1.0, its default, ends elsewhere: 1.6e-4 after 4 steps, the bench turns it off).
+    Where DeepSpeed is installed (``DS_BUILD_OPS=0 pip install --no-build-isolation
+    deepspeed``; its first run compiles its ops: up to minutes)."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "ds.json"
+    cmd = [sys.executable, "-m", "zerompi.bench", "--model", "gpt", "--sizes", "2e5",
+           "--setups", ",".join(["ddp", *DEEPSPEED]), "--steps", "3", "--warmup", "1",
+           "--timeout", "300", "--json", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ZEROMPI_NO_ABORT_HOOK"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["setup"] for r in rows] == ["ddp", *DEEPSPEED]
+    for row in rows:
+        assert row["status"] == "ok", f"{row['setup']}: {row['reason']}"
+        assert row["loss_vs_ddp"] <= 1e-5, (row["setup"], row["loss_vs_ddp"])
+        assert row["vs_best_peer"] > 0 and row["step_ms"] > 0
+    assert "DeepSpeedCPUAdam" in rows[-1]["what"] and "ZeRO stage 3" in rows[-2]["what"]
+
+
+def test_a_peer_not_installed_is_a_skipped_row(tmp_path: Path) -> None:
+    """Without DeepSpeed (hidden here by a package that will not import) its setups
+    are rows saying how to install it, the others run on."""
+    hide = tmp_path / "hide" / "deepspeed"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    out = tmp_path / "ds.json"
+    cmd = [sys.executable, "-m", "zerompi.bench", "--model", "gpt", "--sizes", "2e5",
+           "--setups", "deepspeed-2,ddp", "--steps", "1", "--warmup", "0",
+           "--timeout", "60", "--json", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ZEROMPI_NO_ABORT_HOOK"}
+    env["PYTHONPATH"] = os.pathsep.join([str(hide.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ds, ddp = json.loads(out.read_text())["rows"]
+    assert ds["status"] == "skipped" and "pip install" in ds["reason"], ds
+    assert "hidden by the test" in ds["reason"] and ddp["status"] == "ok"
+    row = ("| deepspeed-2 | - | - | - | - | - | - | skipped: round 1 of 1: deepspeed is not "
+           "installed")  # fmt: skip
+    assert row in proc.stdout, proc.stdout
 
 
 @pytest.mark.timeout(260)  # (the command's own limit, 200 s, ends it first)
@@ -109,17 +159,25 @@ def test_a_failed_setup_is_a_row_with_its_reason() -> None:
     assert _reason("a\nb\n", 137) == "exit status 137: a | b"
     rows = [
         {"setup": "zerompi-2", "size": 5, "params": 5, "status": "ok", "step_ms": 5.0,
-         "forward_backward_ms": 4.0, "rss_mib": 1.0, "pss_end_mib": 0.5},
+         "forward_backward_ms": 4.0, "rss_mib": 1.0, "pss_end_mib": 0.5, "last_loss": 2.0},
         {"setup": "ddp", "size": 5, "params": 5, "status": "ok", "step_ms": 10.0, "rss_mib": 1.0,
-         "forward_backward_ms": 4.0, "pss_end_mib": 0.5},
+         "forward_backward_ms": 4.0, "pss_end_mib": 0.5, "last_loss": 2.0},
         {"setup": "fsdp2", "size": 5, "status": "failed", "reason": "timed out after 60 s"},
         {"setup": "zerompi-3", "size": 5, "status": "unsupported", "reason": "stage 3"},
+        {"setup": "deepspeed-2", "size": 5, "params": 5, "status": "ok", "step_ms": 8.0,
+         "forward_backward_ms": 4.0, "rss_mib": 1.0, "pss_end_mib": 0.5, "last_loss": 2.1},
+        {"setup": "deepspeed-3", "size": 5, "status": "skipped", "reason": "not installed"},
     ]  # fmt: skip
     add_ratios(rows)
-    assert [r["vs_best_torch"] for r in rows] == [0.5, 1.0, None, None]
+    assert [r["vs_best_torch"] for r in rows] == [0.5, 1.0, None, None, 0.8, None]
+    assert [r["vs_best_peer"] for r in rows] == [0.625, 1.25, None, None, 1.0, None]
     text = table(rows)
-    assert "| 5 | fsdp2 | - | - | - | - | - | failed: timed out after 60 s |" in text
-    assert "| 5 | zerompi-2 | 5 | 4 | 0.50 | 1 | 0 | ok |" in text
+    assert "| 5 | fsdp2 | - | - | - | - | - | - | failed: timed out after 60 s |" in text
+    assert "| 5 | zerompi-2 | 5 | 4 | 0.50 | 0.62 | 1 | 0 | ok |" in text
+    # a peer whose training went elsewhere says so (DeepSpeed's default clipping did)
+    assert ("| 5 | deepspeed-2 | 8 | 4 | 0.80 | 1.00 | 1 | 0 | ok, but its last loss is 5.0e-02"
+            in text)  # fmt: skip
+    assert "| 5 | deepspeed-3 | - | - | - | - | - | - | skipped: not installed |" in text
 
 
 def test_rounds_merge_to_the_median_run() -> None:

@@ -59,6 +59,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -86,10 +87,15 @@ from ..runtime import (
 )
 
 SETUPS = ("zerompi-1", "zerompi-2", "zerompi-3", "zerompi-3s", "ddp", "zero-redundancy",
-          "fsdp2")  # fmt: skip
+          "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3", "deepspeed-2c")  # fmt: skip
 TORCH_SETUPS = ("ddp", "zero-redundancy", "fsdp2")
+#: The peers a ratio is taken against: torch's setups and DeepSpeed's.
+PEER_SETUPS = (*TORCH_SETUPS, "deepspeed-1", "deepspeed-2", "deepspeed-3", "deepspeed-2c")
 DEFAULT_SIZES = (16_000_000, 64_000_000)
 LR, WEIGHT_DECAY, LAYERS = 3e-4, 0.1, 4
+#: How far (relative) a setup's last loss may be from DDP's: the same training, to
+#: rounding (the order of a reduction's sums differs between setups).
+LOSS_RTOL = 1e-4
 MIB = 2**20
 #: What a worker prints before it aborts, for the launcher to report.
 FAILED = "zerompi.bench.gpt: failed on rank"
@@ -163,9 +169,81 @@ def _adamw(params: Any) -> tuple[Any, str]:
         return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=True), "foreach"
 
 
-def build(setup: str, model: Any, comm: Any, timeout: float) -> tuple[Any, Any, str]:
-    """Collective: ``(module to call, optimizer, what it is)`` for ``setup``.
-    ``NotImplementedError`` where zerompi refuses the stage."""
+class DeepSpeedSteps:
+    """DeepSpeed's engine as the bench's optimizer: its ``backward`` (the engine reduces
+    and partitions the gradients there, so the loop calls it instead of the loss's)
+    and its ``step`` (the optimizer's step, then the gradients zeroed)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def backward(self, loss: Any) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self) -> None:
+        """Nothing: ``step`` zeroed them."""
+
+
+def backward(opt: Any, loss: Any) -> None:
+    """The setup's backward of ``loss``: DeepSpeed's engine's, else the loss's own."""
+    if isinstance(opt, DeepSpeedSteps):
+        opt.backward(loss)
+    else:
+        loss.backward()
+
+
+def deepspeed_setup(setup: str, model: Any, rows: int, comm: Any) -> tuple[Any, Any, str]:
+    """``deepspeed-S`` (ZeRO stage S, torch's AdamW as the client optimizer) or
+    ``deepspeed-2c`` (stage 2 with ``DeepSpeedCPUAdam``, compiled on first use) on
+    DeepSpeed's CPU accelerator over the gloo group already made. Gradient clipping
+    off (DeepSpeed clips at 1.0 unless told), no loss scaling (float32): the same
+    training as the other setups. ``ModuleNotFoundError`` without deepspeed."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (read when deepspeed is imported)
+    # What DeepSpeed reads of a launcher's environment (torchrun's names): the group
+    # itself is torch's, made over MPI already.
+    hosts = comm.allgather(socket.gethostname())
+    os.environ.update(RANK=str(comm.rank), WORLD_SIZE=str(comm.size),
+                      LOCAL_RANK=str(hosts[: comm.rank].count(hosts[comm.rank])))  # fmt: skip
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ModuleNotFoundError(
+            f"deepspeed is not installed ({exc}): DS_BUILD_OPS=0 pip install "
+            "--no-build-isolation deepspeed (after torch)"
+        ) from None
+    deepspeed.init_distributed(dist_backend="gloo")  # (finds torch's group made)
+    mode = setup.rsplit("-", 1)[1]
+    stage = int(mode[0])
+    if mode.endswith("c"):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                               adamw_mode=True)  # fmt: skip
+        impl = "DeepSpeedCPUAdam"
+    else:
+        opt, impl = _adamw(model.parameters())
+        impl = f"torch {impl}"
+    config = {
+        "train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+    }  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    what = (f"DeepSpeed {deepspeed.__version__} ZeRO stage {stage} (CPU accelerator, gloo), "
+            f"AdamW {impl}")  # fmt: skip
+    return engine, DeepSpeedSteps(engine), what
+
+
+def build(
+    setup: str, model: Any, comm: Any, timeout: float, rows: int = 1
+) -> tuple[Any, Any, str]:
+    """Collective: ``(module to call, optimizer, what it is)`` for ``setup``
+    (``rows``: sequences per rank and step, which DeepSpeed's config states).
+    ``NotImplementedError`` where zerompi refuses the stage, ``ModuleNotFoundError``
+    where the setup's package is not installed."""
     import torch
 
     if setup.startswith("zerompi-"):
@@ -180,6 +258,8 @@ def build(setup: str, model: Any, comm: Any, timeout: float) -> tuple[Any, Any, 
     from ..torch.gloo import init_gloo
 
     init_gloo(comm.mpi, timeout=timeout)
+    if setup.startswith("deepspeed-"):
+        return deepspeed_setup(setup, model, rows, comm)
     if setup == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -223,7 +303,7 @@ def timed_step(comm: Any, module: Any, opt: Any, step: int, cfg: dict[str, int])
     start = clock()
     out = logits(module(data[:, :-1]))
     loss = F.cross_entropy(out.reshape(-1, vocab), data[:, 1:].reshape(-1))
-    loss.backward()
+    backward(opt, loss)
     opt.step()
     opt.zero_grad()
     seconds = comm.max(clock() - start)
@@ -240,6 +320,9 @@ def _refusal(comm: Any, error: BaseException | None) -> dict[str, Any] | None:
     unsupported = len(failed) == comm.size and all(x[0] for _, x in failed)
     if unsupported:
         return {"status": "unsupported", "reason": failed[0][1][1]}
+    if len(failed) == comm.size and all(x[1].startswith("ModuleNotFoundError") for _, x in failed):
+        reason = failed[0][1][1].partition(": ")[2]  # (not installed here: no class name)
+        return {"status": "skipped", "reason": reason}
     return {"status": "failed", "reason": "; ".join(f"rank {r}: {x[1]}" for r, x in failed)}
 
 
@@ -261,7 +344,7 @@ def measure(args: argparse.Namespace, comm: Any) -> dict[str, Any]:
                            "config": cfg, "rows_per_rank": args.rows}  # fmt: skip
     error: BaseException | None = None
     try:
-        module, opt, what = build(args.setup, model, comm, args.gloo_timeout)
+        module, opt, what = build(args.setup, model, comm, args.gloo_timeout, args.rows)
     except Exception as exc:  # reported, collectively, as the setup's row
         error = exc
     refused = _refusal(comm, error)
@@ -274,7 +357,7 @@ def measure(args: argparse.Namespace, comm: Any) -> dict[str, Any]:
         start = clock()
         out = logits(module(data[:, :-1]))
         loss = F.cross_entropy(out.reshape(-1, vocab), data[:, 1:].reshape(-1))
-        loss.backward()
+        backward(opt, loss)
         middle = clock()
         opt.step()
         opt.zero_grad()
@@ -396,29 +479,40 @@ def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """``vs_best_torch``: each measured row's step time over the fastest torch setup
-    of the same size (``None`` when no torch setup of that size ran)."""
+    of the same size; ``vs_best_peer``: over the fastest torch or DeepSpeed setup
+    (``None`` when no such setup of that size ran)."""
     for row in rows:
-        best = [r["step_ms"] for r in rows if r["size"] == row["size"]
-                and r["setup"] in TORCH_SETUPS and r.get("status") == "ok"]  # fmt: skip
-        ok = row.get("status") == "ok" and best
-        row["vs_best_torch"] = row["step_ms"] / min(best) if ok else None
+        for key, peers in (("vs_best_torch", TORCH_SETUPS), ("vs_best_peer", PEER_SETUPS)):
+            best = [r["step_ms"] for r in rows if r["size"] == row["size"]
+                    and r["setup"] in peers and r.get("status") == "ok"]  # fmt: skip
+            ok = row.get("status") == "ok" and best
+            row[key] = row["step_ms"] / min(best) if ok else None
+        ddp = [r for r in rows if r["size"] == row["size"] and r["setup"] == "ddp"
+               and r.get("status") == "ok"]  # fmt: skip
+        known = ddp and row.get("status") == "ok" and "last_loss" in row
+        row["loss_vs_ddp"] = (abs(row["last_loss"] - ddp[0]["last_loss"]) / abs(ddp[0]["last_loss"])
+                              if known else None)  # fmt: skip
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
     lines = ["| params | setup | step ms | of which forward + backward | vs best torch | "
-             "peak RSS MiB/rank | PSS at end MiB/rank | status |",
-             "|---:|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+             "vs best torch or DeepSpeed | peak RSS MiB/rank | PSS at end MiB/rank | status |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     for r in rows:
         params = f"{r.get('params', r['size']):,}"
         if r.get("arch", "gpt") != "gpt":
             params += f" ({r['arch']})"
         if r.get("status") == "ok":
-            ratio = f"{r['vs_best_torch']:.2f}" if r["vs_best_torch"] is not None else "-"
-            cells = [f"{r['step_ms']:.0f}", f"{r['forward_backward_ms']:.0f}", ratio,
-                     f"{r['rss_mib']:.0f}", f"{r['pss_end_mib']:.0f}", "ok"]  # fmt: skip
+            ratios = [f"{r[k]:.2f}" if r.get(k) is not None else "-"
+                      for k in ("vs_best_torch", "vs_best_peer")]  # fmt: skip
+            status = "ok"
+            if (r.get("loss_vs_ddp") or 0) > LOSS_RTOL:  # (the same training: the same loss)
+                status = f"ok, but its last loss is {r['loss_vs_ddp']:.1e} (relative) from ddp's"
+            cells = [f"{r['step_ms']:.0f}", f"{r['forward_backward_ms']:.0f}", *ratios,
+                     f"{r['rss_mib']:.0f}", f"{r['pss_end_mib']:.0f}", status]  # fmt: skip
         else:
-            cells = ["-", "-", "-", "-", "-", f"{r['status']}: {r['reason']}"]
+            cells = ["-"] * 6 + [f"{r['status']}: {r['reason']}"]
         lines.append(f"| {params} | {r['setup']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
