@@ -452,3 +452,24 @@ def estimate_problems(
                 problems.append(f"{optimizer} stage {stage}: usage differs")
             opt.close()
     return problems
+
+
+def marked_processes(mark: str) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of every live process whose environment holds ``mark``
+    (Linux ``/proc``; a zombie's environment reads empty: not counted). What a test
+    that stops a launcher looks for afterwards: nothing it started may be left."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark.encode() not in f.read():
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")))
+        except OSError:  # (gone meanwhile, or not ours)
+            continue
+    return found

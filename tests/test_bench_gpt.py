@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import marked_processes
 
 pytest.importorskip("torch")
 from zerompi.bench.gpt import FAILED, SETUPS, _reason, add_ratios, gpt_config, table
@@ -69,8 +70,8 @@ def test_tiny_run_has_a_row_per_setup(tmp_path: Path) -> None:
 def test_deepspeed_zero_trains_as_ddp_does(tmp_path: Path) -> None:
     """DeepSpeed's ZeRO stages 1-3 (torch's fused AdamW as the client optimizer) and
     stage 2 with ``DeepSpeedCPUAdam``, on its CPU accelerator over gloo, are peer rows
-    of the same bench: every one runs and ends at DDP's loss (a DeepSpeed that clips
-    at 1.0, its default, ends elsewhere: 1.6e-4 after 4 steps, the bench turns it off).
+    of the same bench: every one runs and ends at DDP's loss (DeepSpeed clips at 1.0
+    by default; the bench turns it off, as no other setup clips).
     Where DeepSpeed is installed (``DS_BUILD_OPS=0 pip install --no-build-isolation
     deepspeed``; its first run compiles its ops: up to minutes)."""
     pytest.importorskip("deepspeed")
@@ -195,30 +196,12 @@ def test_rounds_merge_to_the_median_run() -> None:
     assert failed["status"] == "failed" and failed["reason"] == "round 2 of 2: timed out"
 
 
-def _marked(mark: str) -> list[tuple[int, str]]:
-    """``(pid, command line)`` of every live process whose environment holds ``mark``
-    (a zombie's environment reads empty: not counted)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark.encode() not in f.read():
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")))
-        except OSError:  # (gone meanwhile, or not ours)
-            continue
-    return found
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stopped_launcher_leaves_no_setup_running(signum: int) -> None:
     """The launcher stopped while a setup trains (SIGTERM, as ``timeout`` sends it to
-    the command alone; SIGINT, as Ctrl-C does) ends its setup's mpiexec and ranks
-    before it ends (``zerompi.children``), and ends by that signal. Before, the setup
+    the command alone; SIGINT, as Ctrl-C does; SIGHUP, as a closed terminal does) ends
+    its setup's mpiexec and ranks before it ends (``zerompi.children``), and ends by that signal. Before, the setup
     (in a session of its own) trained on: two ranks of zero-redundancy spun for 11
     minutes after their launcher was killed. Every process the launcher started
     carries a mark in its environment; none may be left."""
@@ -231,7 +214,7 @@ def test_a_stopped_launcher_leaves_no_setup_running(signum: int) -> None:
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 90
-        while len([p for p, c in _marked(mark)
+        while len([p for p, c in marked_processes(mark)
                    if c.startswith(f"{sys.executable} -m zerompi.bench.gpt")]) < 2:  # fmt: skip
             assert launcher.poll() is None, launcher.communicate()[0].decode()[-2000:]
             assert time.monotonic() < deadline, "the setup's two ranks never started"
@@ -240,10 +223,10 @@ def test_a_stopped_launcher_leaves_no_setup_running(signum: int) -> None:
         launcher.send_signal(signum)  # the launcher alone, not its setup's group
         out = launcher.communicate(timeout=60)[0].decode(errors="replace")
         assert launcher.returncode == -signum, (launcher.returncode, out[-2000:])
-        left = _marked(mark)
+        left = marked_processes(mark)
         assert not left, f"still running after the launcher ended: {left}"
     finally:
-        for pid, _ in _marked(mark):
+        for pid, _ in marked_processes(mark):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import marked_processes as marked
 
 from zerompi.children import descendants, process_group
 
@@ -28,24 +29,6 @@ pytestmark = [
 ]
 ROOT = Path(__file__).parent.parent
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
-
-
-def marked(mark: str) -> list[tuple[int, str]]:
-    """``(pid, command line)`` of every live process whose environment holds ``mark``
-    (a zombie's environment reads empty: not counted)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark.encode() not in f.read():
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")))
-        except OSError:  # (gone meanwhile)
-            continue
-    return found
 
 
 @contextlib.contextmanager
