@@ -201,10 +201,10 @@ def test_rounds_merge_to_the_median_run() -> None:
 def test_a_stopped_launcher_leaves_no_setup_running(signum: int) -> None:
     """The launcher stopped while a setup trains (SIGTERM, as ``timeout`` sends it to
     the command alone; SIGINT, as Ctrl-C does; SIGHUP, as a closed terminal does) ends
-    its setup's mpiexec and ranks before it ends (``zerompi.children``), and ends by that signal. Before, the setup
-    (in a session of its own) trained on: two ranks of zero-redundancy spun for 11
-    minutes after their launcher was killed. Every process the launcher started
-    carries a mark in its environment; none may be left."""
+    its setup's mpiexec and ranks before it ends (``zerompi.children``), and ends by
+    that signal. Before, the setup (in a session of its own) trained on: two ranks of
+    zero-redundancy spun for 11 minutes after their launcher was killed. Every process
+    the launcher started carries a mark in its environment; none may be left."""
     mark = f"zerompi-orphan-test-{uuid.uuid4().hex}"
     env = {k: v for k, v in os.environ.items() if k != "ZEROMPI_NO_ABORT_HOOK"}
     env["ZEROMPI_ORPHAN_MARK"] = mark
