@@ -290,6 +290,18 @@ def test_bfloat16_is_sized_without_ml_dtypes() -> None:
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "False", proc.stderr
 
 
+@pytest.mark.mpi_skip
+def test_piped_into_head_it_ends_quietly() -> None:
+    """``python -m zerompi.memory ... | head -1``: the reader leaves early; the
+    estimator ends with status 0 and no traceback (a broken pipe is no error here)."""
+    cmd = (f"{sys.executable} -m zerompi.memory --params 1e6 --world 4 --stage 3 --per-rank"
+           " | head -1; exit ${PIPESTATUS[0]}")  # fmt: skip
+    proc = subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.startswith("zerompi.memory: ")
+
+
 def test_counts_take_the_notation_of_the_other_tools(capsys: pytest.CaptureFixture[str]) -> None:
     """``--params 7e9`` is 7,000,000,000 (as ``--sizes 1.6e7`` is in the bench); a
     count that is no whole number is refused, naming it."""
