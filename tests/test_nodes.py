@@ -340,19 +340,25 @@ def test_no_room_in_dev_shm_falls_back_by_default(
     assert_all(not problems, "\n".join(problems))
 
 
-def test_stage_0_and_one_rank_share_nothing_by_default(
+def test_stage_0_on_nodes_and_one_rank_share_nothing_by_default(
     comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Stage 0 (plain data parallelism) never uses node shared memory, and by default
-    neither does a single rank nor one rank per node (there is nothing to share);
+    """Stage 0 (plain data parallelism) sums its gradients in node shared memory on one
+    node only (over several it is an ``Allreduce``), and by default neither a single
+    rank nor one rank per node uses it (there is nothing to share);
     ``shared_memory=True`` still takes the hierarchical path there."""
     params = _params()
     zero = ZeroOptimizer(params, comm=comm, stage=0)
+    one_node = zero.nodes.count == 1 and comm.size > 1
     alone = ZeroOptimizer(params, comm=MPI.COMM_SELF, stage=2)
     monkeypatch.setenv(NODE_SIZE_ENV, "1")
     spread = ZeroOptimizer(params, comm=comm, stage=2)
+    spread_zero = ZeroOptimizer(params, comm=comm, stage=0, shared_memory=True)
     insisted = ZeroOptimizer(params, comm=comm, stage=2, shared_memory=True)
-    ok = not (zero.shared_memory or alone.shared_memory or spread.shared_memory)
+    ok = zero.shared_memory == one_node and not (
+        alone.shared_memory or spread.shared_memory
+        or (spread_zero.shared_memory and spread_zero.nodes.count > 1)
+    )  # fmt: skip
     assert_all(ok and insisted.shared_memory, "shared memory in use, or not where insisted")
 
 
@@ -383,3 +389,39 @@ def test_a_bad_node_size_is_an_error_on_every_rank(
             if "ZEROMPI_NODE_SIZE differs between ranks" not in str(exc):
                 problems.append(f"differing node sizes: {exc}")
     assert_all(not problems, "\n".join(problems))
+
+
+def test_stage_0_on_one_node_sums_in_memory_as_allreduce_does(comm: MPI.Intracomm) -> None:
+    """Stage 0 on one node (its default there): each rank sums its shard in node
+    memory, then copies the others' sums (``NodeCopies``). With gradients whose sums
+    are exact (multiples of 1/8), its parameters after steps of one and of two
+    micro-batches are the ``Allreduce`` path's bit for bit, every rank's gradient
+    buffer is zero after each step (the next one starts from zero), and the reduced
+    gradient every rank stepped with is the same on all (the norm agreed)."""
+    params = _params(seed=11)
+    node = ZeroOptimizer(params, comm=comm, stage=0, bucket_elems=7)
+    mpi = ZeroOptimizer(params, comm=comm, stage=0, bucket_elems=7, shared_memory=False)
+    problems = []
+    if node.engine.plan.shared_memory != (node.nodes.count == 1 and comm.size > 1):
+        problems.append(f"node memory {node.engine.plan.shared_memory} on {node.nodes}")
+    for step, micro in enumerate((1, 2, 1)):
+        for k in range(micro):
+            for opt in (node, mpi):
+                for name, p in params.items():
+                    g = (np.arange(p.size, dtype=p.dtype).reshape(p.shape) % 5 - 2) / 8
+                    opt.grads[name][...] += g * (comm.rank + 1 + k + step)
+                if micro > 1:
+                    opt.accumulate()
+        node.step()
+        mpi.step()
+        for name in params:
+            if not np.array_equal(node.params[name], mpi.params[name]):
+                problems.append(f"step {step}: {name} differs from the Allreduce path")
+            if node.grads[name].any():
+                problems.append(f"step {step}: {name}'s gradient buffer is not zero")
+        norms = comm.allgather(node.last_grad_norm)
+        if len(set(norms)) != 1 or node.last_grad_norm != mpi.last_grad_norm:
+            problems.append(f"step {step}: norms {norms} vs {mpi.last_grad_norm}")
+    node.close()
+    mpi.close()
+    assert_all(not problems, "\n".join(problems[:6]))

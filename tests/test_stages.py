@@ -743,7 +743,8 @@ def test_bytes_moved_per_step(comm: MPI.Intracomm, mode: str) -> None:
     """One step without accumulation moves, averaged over ranks, ``(W-1)/W`` of the
     model per collective pass: 2 passes in stages 1-2 (reduce-scatter, allgather), 3
     in stage 3 (forward gather, backward gather, reduce-scatter). Stage 0's
-    allreduce counts the same 2 passes, to a byte per bucket and rank. Every byte
+    allreduce counts the same 2 passes, to a byte per bucket and rank (summed within
+    one node: a reduce-scatter and an allgather, exactly). Every byte
     sent is received. Then a step of two micro-batches: stages 2-3 reduce-scatter
     each one, stages 0-1 only the sum. Inspection (``full_params``,
     ``gather_state``) is not training traffic."""
@@ -776,8 +777,12 @@ def test_bytes_moved_per_step(comm: MPI.Intracomm, mode: str) -> None:
         if api == "streamed" and stage >= 2 and "reduce_scatter" in traffic[-1]:
             problems.append(f"step {step}: step() reduce-scattered what was handed over")
         totals = traffic_totals(comm, traffic)
-        if stage == 0:
+        if stage == 0 and not opt.engine.plan.shared_memory:
             want = {("allreduce", "sent"): 2 * (w - 1) * model}
+        elif stage == 0:  # summed within one node: its shards, then the others' sums
+            layers = False
+            want = {("reduce_scatter", "sent"): (w - 1) * model,
+                    ("allgather", "sent"): (w - 1) * model}  # fmt: skip
         else:
             reductions = n_micro if stage >= 2 else 1
             layers = stage == 3 and not opt.engine.plan.full_params  # (one node: read in place)
@@ -796,7 +801,8 @@ def test_bytes_moved_per_step(comm: MPI.Intracomm, mode: str) -> None:
                 problems.append(f"{what}: {op} sent {sent} bytes over {w} ranks, want {value}")
             if received != sent:
                 problems.append(f"{what}: {op} received {received} != sent {sent}")
-        if n_micro == 1 and stage > 0:  # the mean over ranks, as the textbook has it
+        if n_micro == 1 and (stage > 0 or opt.engine.plan.shared_memory):  # the mean
+            # over ranks, as the textbook has it
             mean = Fraction(sum(v for (_, key), v in totals.items() if key == "sent"), w)
             passes = 3 if layers else 2
             if mean != Fraction(passes * model * (w - 1), w):
@@ -833,7 +839,7 @@ def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
     """``close()`` frees the windows (collective) and refuses further hand-overs on
     every rank, keeping the parameters (stage 2 keeps them in a window) readable and
     accounted; the ``with`` form closes on exit; memory is accounted the same as
-    without the window; stages 0-1 have nothing to share."""
+    without the window; stage 0 shares its gradients on one node only."""
     params = make_params(TINY, seed=9)
     problems = []
     plain = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=3, shared_memory=False)
@@ -882,8 +888,9 @@ def test_shared_memory_close(comm: MPI.Intracomm, stage: int) -> None:
     opt.close()  # twice is harmless
     plain.close()
     low = ZeroOptimizer(params, comm=comm, stage=0, shared_memory=True)
-    if low.shared_memory:
-        problems.append("stage 0 claims shared memory")
+    if low.shared_memory != (low.nodes.count == 1):  # stage 0: its gradients, one node only
+        problems.append(f"stage 0 on {low.nodes.count} node(s): shared {low.shared_memory}")
+    low.close()
     verdict(problems, f"stage {stage}")
 
 

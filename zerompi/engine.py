@@ -34,7 +34,7 @@ from .handover import Access, CallerGathers, Found, Gathered, Names, NodeCopy, R
 from .initial import initialize_by_bucket, initialize_whole
 from .mpi.collectives import Comm
 from .mpi.nodes import Nodes, enable_heartbeat, nodes_of
-from .nodesum import NodeSum, StatsRuns
+from .nodesum import NodeCopies, NodeSum, StatsRuns
 from .partition import Deferred, Layout
 from .plan import (
     REDUCE_WINDOW,
@@ -207,14 +207,17 @@ def choose_shared(
     """Collective: whether an optimizer of ``stage`` uses node shared memory.
     ``asked``: ``False`` never; ``True`` wherever it can work (every node the same
     number of ranks); ``None`` (the default) also needs more than one rank per node,
-    a stage above 0 and room in ``/dev/shm`` on every node for what ``plan()`` (the
+    one node at stage 0 (its gradients summed there; over several nodes stage 0 is
+    an ``Allreduce``) and room in ``/dev/shm`` on every node for what ``plan()`` (the
     buffer plan with shared memory) puts there. Where it was asked for or is the
     default and cannot be used, rank 0 prints one line saying why, and the MPI
     collectives run instead."""
     from .mpi.shm import segment_bytes, shm_dir, shm_free_bytes
 
-    if asked is False or stage == 0 or (asked is None and comm.size == 1):
+    if asked is False or (asked is None and comm.size == 1):
         return False
+    if stage == 0 and nodes.count > 1:
+        return False  # (an Allreduce over the nodes; no notice needed)
     if asked is None and nodes.uniform and nodes.size == 1:
         return False  # one rank per node: nothing to share (and no notice needed)
     why = ""
@@ -419,12 +422,14 @@ def _reducer(
         wide, count = sums.shape[0] // slots, sum(bucket.counts[r] for r in peers)
         return [sums[s * wide : s * wide + count] for s in range(slots)]
 
-    def node_reduce(index: int, bases: Sequence[int], fence: bool, after: bool) -> NodeReduce:
+    def node_reduce(index: int, bases: Sequence[int], fence: bool, after: bool,
+                    shard: np.ndarray | None = None) -> NodeReduce:  # fmt: skip
         bucket, slots = layout.buckets[index], len(bases)
         assert node_sum is not None
         return NodeReduce(
-            comm, bucket, index, parts[index].grad, node_sum, bases, fence, after, cross,
-            [bucket.counts[r] for r in peers], node_views(index, slots) if cross else (),
+            comm, bucket, index, parts[index].grad if shard is None else shard, node_sum,
+            bases, fence, after, cross, [bucket.counts[r] for r in peers],
+            node_views(index, slots) if cross else (),
         )  # fmt: skip
 
     if plan.full_grads:  # stages 0-1
@@ -441,6 +446,12 @@ def _reducer(
             elif kind is Reduce.ALLREDUCE:
                 at_step.append(Allreduce(comm, bucket, index, part.grad))
                 to_zero.append(part.full_grad)  # type: ignore[arg-type]
+            elif kind is Reduce.NODE_SUM and plan.stage == 0:  # its shard, then the others'
+                lo, hi = bucket.local(comm.rank)
+                region = part.full_grad[lo:hi]  # type: ignore[index]
+                at_step.append(node_reduce(index, [bucket.start] * REDUCE_WINDOW,
+                                           index == 0, False, region))  # fmt: skip
+                to_zero.append(part.full_grad)  # type: ignore[arg-type]
             elif kind is Reduce.NODE_SUM:  # (the sums zeroed what they read, but its own)
                 at_step.append(node_reduce(index, [bucket.start] * REDUCE_WINDOW,
                                            index == 0, False))  # fmt: skip
@@ -449,7 +460,12 @@ def _reducer(
                 at_step.append(ReduceScatter(comm, bucket, index, part.grad))
                 to_zero.append(part.full_grad)  # type: ignore[arg-type]
         micro = per_micro if any(b is not None for b in per_micro) else []
-        return FullGradients(comm, parts, grads, at_step, micro, to_zero)  # type: ignore[arg-type]
+        gather = None
+        if plan.stage == 0 and node_sum is not None:  # the others' sums, from their buffers
+            gather = NodeCopies(comm, layout, nodes, node_sum.segments,
+                                [p.full_grad for p in parts])  # type: ignore[misc]  # fmt: skip
+        return FullGradients(comm, parts, grads, at_step, micro, to_zero,  # type: ignore[arg-type]
+                             gather)  # fmt: skip
     slots = staging_slots(engine.config.overlap.enabled)
     kinds = [plan.reduction(precisions[b.dtype]) for b in layout.buckets]
     # One slot, summed within one node only: used from both ends, a fence only where

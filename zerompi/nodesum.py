@@ -129,3 +129,38 @@ class StatsRuns:
             bad, sumsq = grad_stats(grad, scratch)
             out[0] += bad
             out[1] += sumsq
+
+
+class NodeCopies:
+    """Stage 0 on one node, once every rank summed its shard of every bucket into its
+    own full gradient buffer (:class:`NodeSum`, in place): each rank copies the other
+    ranks' sums from their buffers into its own, so every rank holds the whole reduced
+    gradient (an ``Allreduce`` through memory; each byte read once here, where MPI's
+    moves it through its shared cells). A node fence before (every sum is done) and
+    one after (no rank zeroes or refills its buffer while another still copies from it).
+    ``full[index]``: bucket ``index`` of this rank's full gradient buffer."""
+
+    def __init__(
+        self, comm: Comm, layout: Layout, nodes: Nodes, segments: Mapping[np.dtype, SharedSegment],
+        full: Sequence[np.ndarray],
+    ) -> None:  # fmt: skip
+        self.comm, self.layout, self.node, self.full = comm, layout, nodes.node, full
+        members = nodes.members[nodes.index]
+        #: Per bucket: (this rank's copy, each other rank's sums) of every other shard.
+        self.copies = [
+            [(full[i][lo:hi], segments[b.dtype].peers[q][b.start + lo : b.start + hi])
+             for q, rank in enumerate(members) if rank != comm.rank
+             for lo, hi in (b.local(rank),) if hi > lo]
+            for i, b in enumerate(layout.buckets)
+        ]  # fmt: skip
+
+    def __call__(self) -> None:
+        """Collective over the node: the others' shards into this rank's buffer."""
+        comm = self.comm
+        self.node.fence()  # every rank's sums are in its buffer
+        for index, bucket in enumerate(self.layout.buckets):
+            comm.record_shared("allgatherv", index, bucket.size)
+            for mine, theirs in self.copies[index]:
+                np.copyto(mine, theirs)
+            comm.count_allgather(bucket.size, bucket.counts[comm.rank], bucket.dtype.itemsize)
+        self.node.fence()  # every rank copied: the buffers may be zeroed and refilled

@@ -15,8 +15,9 @@ stage   parameters  gradients             Adam moments   reduction / gather
 
 (The MPI path. With node shared memory, :attr:`StagePlan.node_memory`: one parameter
 copy per node in stages 1-2 and in 3 on one node, stage 3's gathered layers once per
-node over several; stage 1's full gradient buffers and the staging buckets of 2-3
-summed within a node; see :mod:`zerompi.mpi.nodes` and :mod:`zerompi.nodesum`.)
+node over several; the full gradient buffers of stages 0 (on one node) and 1 and the
+staging buckets of 2-3 summed within a node; see :mod:`zerompi.mpi.nodes` and
+:mod:`zerompi.nodesum`.)
 
 The plan names, for the engine to build once (:mod:`zerompi.engine`), the three
 strategies that differ between stages: how the model reads its parameters
@@ -150,6 +151,13 @@ def stage_plan(
 ) -> StagePlan:  # fmt: skip
     """The plan of ``stage``. With ``shared_memory``:
 
+    * stage 0 on ``one_node`` keeps its full gradient buffers in node shared memory
+      (not ``low_grads``): each rank sums its shard of a bucket from every node rank's
+      buffer, with the statistics in the same pass, and then copies the others' sums
+      into its own buffer (:class:`zerompi.reducer.FullGradients`), where MPI's
+      ``Allreduce`` would move each byte through its shared cells; the parameters and
+      states stay every rank's own (stage 0 updates them all on every rank);
+
     * the parameters are one copy per node at stages 1-2, and at stage 3 on
       ``one_node`` too (the node's ranks' shards together are the whole model, so the
       node holds what it would hold sharded, and a layer is read in place); stage 3
@@ -160,7 +168,14 @@ def stage_plan(
 
     ``layer_buffers=False`` (stage 3 without a node copy): no gather buffers; the
     caller gathers into its own memory (the torch adapter)."""
-    shared = shared_memory and stage >= 1
+    if stage == 0:
+        grads = shared_memory and one_node and not low_grads
+        return StagePlan(
+            stage=0, full_params=True, full_grads=True, access=Access.RESIDENT,
+            reduce=Reduce.NODE_SUM if grads else Reduce.ALLREDUCE, reduce_low=Reduce.SPLIT,
+            publish=Publish.NONE, node_memory=frozenset({Kind.GRADS} if grads else ()),
+        )  # fmt: skip
+    shared = shared_memory
     node_copy = shared and (stage <= 2 or one_node)
     kinds: set[Kind] = set()
     if node_copy:
@@ -175,9 +190,7 @@ def stage_plan(
         access = Access.RESIDENT if stage <= 2 else Access.NODE_COPY
     else:
         access = Access.GATHERED if layer_buffers else Access.CALLER_GATHERS
-    if stage == 0:
-        reduce, low = Reduce.ALLREDUCE, Reduce.SPLIT
-    elif stage == 1:
+    if stage == 1:
         reduce = Reduce.NODE_SUM if Kind.GRADS in kinds else Reduce.REDUCE_SCATTER
         low = Reduce.SPLIT
     else:

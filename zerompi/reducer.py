@@ -109,8 +109,9 @@ def zero_except(buf: np.ndarray, lo: int, hi: int, known: Sequence[tuple[int, in
 
 class FullGradients:
     """Stages 0-1: reduce the full gradient buffers at ``step()``, through
-    ``at_step[index]``; with ``per_micro`` backends (gradients narrower than the
-    master), every micro-batch is reduced as it ends and its buffers zeroed, and
+    ``at_step[index]`` (then ``gather()``, where given); with ``per_micro`` backends
+    (gradients narrower than the master), every micro-batch is reduced as it ends and
+    its buffers zeroed, and
     ``at_step`` does what is left (stage 0 gathers the reduced parts). ``to_zero``:
     per bucket, what to zero once Adam consumed the reduced gradient (the full
     buffer; with node memory only this rank's own part, the sums zeroed the rest)."""
@@ -119,9 +120,13 @@ class FullGradients:
         self, comm: Comm, parts: Sequence[Part], grads: FlatArrays,
         at_step: Sequence[Backend], per_micro: Sequence[Backend | None] = (),
         to_zero: Sequence[np.ndarray] = (),
+        gather: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.comm, self.parts, self.grads = comm, parts, grads
         self.at_step, self.per_micro, self.to_zero = at_step, per_micro, to_zero
+        #: Stage 0 summed within one node: the other ranks' sums copied in at the end
+        #: (:class:`zerompi.nodesum.NodeCopies`).
+        self.gather = gather
         #: Per bucket, the backend of its reduction at ``step()``.
         self.backends = at_step
         #: Per bucket, its statistics when its reduction computed them (one node).
@@ -181,6 +186,8 @@ class FullGradients:
 
     def reduce(self, visit: Visit) -> None:
         self._window(self.at_step, False, visit)
+        if self.gather is not None:
+            self.gather()
 
     def consumed(self) -> None:
         """After Adam: start the next step from zero."""

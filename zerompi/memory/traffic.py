@@ -5,8 +5,9 @@ from the layout: per collective ``sent``/``received`` is the algorithm-independe
 volume (what must leave and reach the rank: ``(W-1)/W`` of a bucket, averaged over
 ranks), and ``sent_between``/``received_between`` the part of it that crosses a node
 boundary. Flat collectives exchange with every rank of other nodes; over node shared
-memory (stages 1-3 with ``shared_memory``) nothing moves between the ranks of a node
-and only the cross-node step crosses: the node's sums of this rank's region
+memory (stages 1-3 with ``shared_memory``, and stage 0 on one node) nothing moves
+between the ranks of a node and only the cross-node step crosses: the node's sums of
+this rank's region
 (reduction, in the master dtype) and this rank's shard to the other nodes (gather),
 ``N - 1`` pieces of ``1/W`` of a bucket instead of ``W - L``.
 
@@ -71,11 +72,12 @@ def step_traffic(
         rs_textbook = ((size - mine) * r, (world - 1) * mine * r)
         ag_textbook = ((world - 1) * mine * p, (size - mine) * p)
         # -- the reduction
-        if stage == 0 and not prec.low_grads:  # an Allreduce of the bucket
+        node_full = shared and stage <= 1 and not low_any  # stages 0-1 summed in the node
+        if stage == 0 and not prec.low_grads and not node_full:  # an Allreduce of the bucket
             volume = 2 * size * r * (world - 1) // world if world > 1 else 0
             cross = 2 * size * r * far // world
             _book(books, "allreduce", volume, volume, (cross, cross))
-        elif shared and (stage >= 2 or (stage == 1 and not low_any)):  # within the node
+        elif shared and (stage >= 2 or node_full):  # within the node
             # by memory, then across nodes
             hier = ((region - mine) * m, (nodes - 1) * mine * m) if nodes > 1 else (0, 0)
             _book(books, "reduce_scatter", *rs_textbook, hier)
@@ -85,7 +87,9 @@ def step_traffic(
             _book(books, "allgather", (world - 1) * mine * m, (size - mine) * m,
                   between("allgatherv", counts, m))  # fmt: skip
         # -- the gather
-        if shared and (stage in (1, 2) or (stage == 3 and nodes == 1)):  # the node's copy:
+        if stage == 0 and node_full:  # the others' sums copied in (one node)
+            _book(books, "allgather", *ag_textbook, (0, 0))
+        elif shared and (stage in (1, 2) or (stage == 3 and nodes == 1)):  # the node's copy:
             # other nodes' shards into it (stage 3 on one node reads it in place)
             hier = ((nodes - 1) * mine * p, (region - mine) * p) if nodes > 1 else (0, 0)
             _book(books, "allgather", *ag_textbook, hier)
