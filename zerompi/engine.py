@@ -449,8 +449,12 @@ def _reducer(
             elif kind is Reduce.NODE_SUM and plan.stage == 0:  # its shard, then the others'
                 lo, hi = bucket.local(comm.rank)
                 region = part.full_grad[lo:hi]  # type: ignore[index]
-                at_step.append(node_reduce(index, [bucket.start] * REDUCE_WINDOW,
-                                           index == 0, False, region))  # fmt: skip
+                backend = node_reduce(index, [bucket.start] * REDUCE_WINDOW, index == 0, False,
+                                      region)  # fmt: skip
+                # No zeroing in the sum: every rank's copies overwrite what it would zero,
+                # and the whole buffer is zeroed after Adam.
+                backend.clears = False
+                at_step.append(backend)
                 to_zero.append(part.full_grad)  # type: ignore[arg-type]
             elif kind is Reduce.NODE_SUM:  # (the sums zeroed what they read, but its own)
                 at_step.append(node_reduce(index, [bucket.start] * REDUCE_WINDOW,

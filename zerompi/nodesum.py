@@ -133,9 +133,10 @@ class StatsRuns:
 
 class NodeCopies:
     """Stage 0 on one node, once every rank summed its shard of every bucket into its
-    own full gradient buffer (:class:`NodeSum`, in place): each rank copies the other
-    ranks' sums from their buffers into its own, so every rank holds the whole reduced
-    gradient (an ``Allreduce`` through memory; each byte read once here, where MPI's
+    own full gradient buffer (:class:`NodeSum`, in place, zeroing nothing: these copies
+    overwrite the other shards, and the buffer is zeroed after Adam): each rank copies
+    the other ranks' sums from their buffers into its own, so every rank holds the
+    whole reduced gradient (an ``Allreduce`` through memory; each byte read once here, where MPI's
     moves it through its shared cells). A node fence before (every sum is done) and
     one after (no rank zeroes or refills its buffer while another still copies from it).
     ``full[index]``: bucket ``index`` of this rank's full gradient buffer."""

@@ -111,10 +111,10 @@ class FullGradients:
     """Stages 0-1: reduce the full gradient buffers at ``step()``, through
     ``at_step[index]`` (then ``gather()``, where given); with ``per_micro`` backends
     (gradients narrower than the master), every micro-batch is reduced as it ends and
-    its buffers zeroed, and
-    ``at_step`` does what is left (stage 0 gathers the reduced parts). ``to_zero``:
-    per bucket, what to zero once Adam consumed the reduced gradient (the full
-    buffer; with node memory only this rank's own part, the sums zeroed the rest)."""
+    its buffers zeroed, and ``at_step`` does what is left (stage 0 gathers the reduced
+    parts). ``to_zero``: per bucket, what to zero once Adam consumed the reduced
+    gradient (the full buffer; with node memory at stage 1 only this rank's own part,
+    the sums zeroed the rest)."""
 
     def __init__(
         self, comm: Comm, parts: Sequence[Part], grads: FlatArrays,
