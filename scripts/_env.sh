@@ -115,7 +115,7 @@ PYEOF
 #   "$MPIEXEC" -n 2 ... &
 #   zerompi_wait $!
 zerompi_wait() {
-    local pid=$1 status
+    local pid=$1 status sig
     # shellcheck disable=SC2064  # (the PID now, not when the trap runs)
     for sig in TERM INT HUP; do trap "zerompi_forward $sig $pid" "$sig"; done
     wait "$pid"
@@ -130,4 +130,13 @@ zerompi_forward() {  # SIGNAL PID: what zerompi_wait's traps run
     wait "$2" 2>/dev/null
     trap - "$1"
     kill -s "$1" $$
+}
+
+# zerompi_tee LOG COMMAND...: COMMAND's output to the terminal and to LOG, and its
+# status, as `COMMAND 2>&1 | tee LOG` with PIPESTATUS, but stoppable (zerompi_wait).
+zerompi_tee() {
+    local log=$1
+    shift
+    ( "$@" 2>&1 | tee "$log"; exit "${PIPESTATUS[0]}" ) &
+    zerompi_wait $!
 }

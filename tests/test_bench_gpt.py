@@ -26,13 +26,21 @@ import pytest
 from helpers import marked_processes
 
 pytest.importorskip("torch")
-from zerompi.bench.gpt import FAILED, SETUPS, _reason, add_ratios, gpt_config, table
+from zerompi.bench.gpt import (
+    DEEPSPEED_SETUPS,
+    FAILED,
+    SETUPS,
+    _reason,
+    add_ratios,
+    gpt_config,
+    table,
+)
 from zerompi.torch.gpt import parameter_count
 
 pytestmark = pytest.mark.mpi_skip
 ROOT = Path(__file__).parent.parent
-OURS_AND_TORCH = [s for s in SETUPS if not s.startswith("deepspeed-")]
-DEEPSPEED = [s for s in SETUPS if s.startswith("deepspeed-")]
+OURS_AND_TORCH = [s for s in SETUPS if s not in DEEPSPEED_SETUPS]
+DEEPSPEED = list(DEEPSPEED_SETUPS)
 
 
 def test_tiny_run_has_a_row_per_setup(tmp_path: Path) -> None:

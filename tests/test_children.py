@@ -57,18 +57,18 @@ def wait_for(mark: str, count: int, proc: subprocess.Popen) -> None:  # type: ig
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stopped_script_leaves_nothing_running(signum: int) -> None:
-    """A script of ``scripts/`` waiting with ``zerompi_wait`` for a command under
-    ``timeout`` (a process group of its own, as ``scripts/test`` runs mpiexec), sent
+    """A script of ``scripts/`` running a command under ``timeout`` with ``zerompi_tee``
+    (``zerompi_wait``; ``timeout`` puts it in a process group of its own, as
+    ``scripts/test`` runs mpiexec), sent
     a signal alone: the command ends before the script, which ends by the signal.
     Without ``zerompi_wait`` the command outlives the script (checked too)."""
     mark = f"zerompi-children-test-{uuid.uuid4().hex}"
     env = dict(os.environ, ZEROMPI_CHILDREN_MARK=mark, PYTHON=sys.executable)
     command = " ".join(SLEEPER[:2]) + ' "import time; time.sleep(300)"'
     for waited in (True, False):
-        script = (". scripts/_env.sh\n"
-                  f'( timeout 300 {command} 2>&1 | cat; exit "${{PIPESTATUS[0]}}" ) &\n'
-                  + ("zerompi_wait $!\n" if waited else "wait $!\n")
-                  + "echo reached the end\n")  # fmt: skip
+        run = (f"zerompi_tee /dev/null timeout 300 {command}\n" if waited  # (as scripts/test)
+               else f'( timeout 300 {command} 2>&1 | cat; exit "${{PIPESTATUS[0]}}" ) &\nwait $!\n')
+        script = ". scripts/_env.sh\n" + run + "echo reached the end\n"
         with cleaned(mark):
             proc = subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

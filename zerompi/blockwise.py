@@ -58,15 +58,8 @@ class Spans:
     def touched(self, first: int, count: int) -> tuple[int, int]:
         """``(lo, hi)``: the entries of every unit elements ``first ... first +
         count`` touch (``(0, 0)`` for none)."""
-        stop = first + count
-        if len(self.spans) == 1:  # (one span, a per-block state: no search)
-            s = self.spans[0]
-            if stop <= first or stop <= s.start or first >= s.stop or s.stop <= s.start:
-                return 0, 0
-            u0 = (max(first, s.start) - s.start) // s.unit
-            u1 = (min(stop, s.stop) - 1 - s.start) // s.unit + 1
-            return s.base + u0 * s.width, s.base + u1 * s.width
         lo = hi = None
+        stop = first + count
         for s in self._overlapping(first, stop):
             u0 = (max(first, s.start) - s.start) // s.unit
             u1 = (min(stop, s.stop) - 1 - s.start) // s.unit + 1

@@ -86,11 +86,11 @@ from ..runtime import (
     write_json,
 )
 
-SETUPS = ("zerompi-1", "zerompi-2", "zerompi-3", "zerompi-3s", "ddp", "zero-redundancy",
-          "fsdp2", "deepspeed-1", "deepspeed-2", "deepspeed-3", "deepspeed-2c")  # fmt: skip
 TORCH_SETUPS = ("ddp", "zero-redundancy", "fsdp2")
+DEEPSPEED_SETUPS = ("deepspeed-1", "deepspeed-2", "deepspeed-3", "deepspeed-2c")
 #: The peers a ratio is taken against: torch's setups and DeepSpeed's.
-PEER_SETUPS = (*TORCH_SETUPS, "deepspeed-1", "deepspeed-2", "deepspeed-3", "deepspeed-2c")
+PEER_SETUPS = (*TORCH_SETUPS, *DEEPSPEED_SETUPS)
+SETUPS = ("zerompi-1", "zerompi-2", "zerompi-3", "zerompi-3s", *PEER_SETUPS)
 DEFAULT_SIZES = (16_000_000, 64_000_000)
 LR, WEIGHT_DECAY, LAYERS = 3e-4, 0.1, 4
 #: How far (relative) a setup's last loss may be from DDP's: the same training, to
