@@ -52,6 +52,7 @@ from mpi4py import MPI
 from zerompi import Deferred, ZeroOptimizer, shard_counts
 from zerompi.buffers import Kind
 from zerompi.mpi.agreement import CollectiveError
+from zerompi.reduction import NodeReduce
 from zerompi.reference import ReferenceAdam
 
 STAGES = [0, 1, 2, 3]
@@ -110,8 +111,14 @@ def hand_over(opt: ZeroOptimizer, names: tuple[str, ...], grads: Mapping[str, np
               api: str = "block", turn: int = 0) -> None:  # fmt: skip
     """Add ``grads`` of ``names`` through ``opt.gradients`` (``api="block"``),
     ``opt.add_gradients`` (``"add"``: a parameter's first hand-over of a micro-batch
-    overwrites its staging region), or the two taking turns (``"mixed"``)."""
-    if api == "add" or (api == "mixed" and turn % 2):
+    overwrites its staging region), the two taking turns (``"mixed"``), or ``"late"``:
+    ``add`` until the ranks agreed at the first step's end that none entered a block
+    (:meth:`zerompi.reducer.StagedGradients._agree`), then blocks on odd ranks; or
+    ``"rank"``: blocks on odd ranks from the start, ``add`` on even ones."""
+    agreed = getattr(opt.engine.reducer, "full_mode", None) is not None
+    if api in ("late", "rank") and opt.comm.rank % 2 and (agreed or api == "rank"):
+        api = "block"
+    if api in ("add", "late", "rank") or (api == "mixed" and turn % 2):
         opt.add_gradients({n: grads[n] for n in expand(names)})
         return
     with opt.gradients(*names) as g:
@@ -293,6 +300,34 @@ def test_a_group_never_handed_over_has_zero_gradient(
     comm: MPI.Intracomm, stage: int, api: str
 ) -> None:
     verdict(run_script(comm, stage, skipping, api=api), f"stage {stage} {api}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sums_stop_zeroing_when_no_rank_uses_blocks(comm: MPI.Intracomm, stage: int) -> None:
+    """Within a node a sum zeroes what it reads only while some rank may add into a
+    block: after the first step the ranks agree, and with ``add_gradients`` alone on
+    every rank the sums stop writing zeros (each hand-over overwrites its stale
+    region). Ranks that then enter blocks (odd ranks, ``"late"``) zero their own
+    regions; where odd ranks use blocks from the start (``"rank"``) every rank keeps
+    zeroing. Every script still matches the reference, over micro-batches, pieces of
+    buckets, parameters handed over twice or never."""
+    problems = []
+    one = comm.size == 1  # no odd rank
+    for api, clears in (("block", True), ("add", False), ("late", False), ("rank", not one)):
+        params = make_params(TINY, seed=stage)
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=3, **HYPER)
+        ref = ReferenceAdam(params, **HYPER)
+        problems += play(opt, ref, piecemeal, 1, api)
+        summed = [b for b in opt.engine.reducer.backends if isinstance(b, NodeReduce)]
+        if opt.shared_memory and not summed:
+            problems.append(f"{api}: no sum within a node")
+        if any(b.clears != clears for b in summed):
+            problems.append(f"{api}: clears {[b.clears for b in summed]}, want {clears}")
+        opt.close()
+    for script in (piecemeal, twice, skipping):
+        for api in ("late", "rank"):
+            problems += run_script(comm, stage, script, steps=3, api=api)
+    verdict(problems, f"stage {stage}")
 
 
 def test_stage_2_full_grads_and_streamed_hand_over_add_up(comm: MPI.Intracomm) -> None:

@@ -113,7 +113,7 @@ def test_one_slot_used_from_both_ends(
     ):
         problems.append(f"{len(fenced)} fences before a hand-over, want "
                         f"{fences_expected([2, 9, 3, 8, 1, 9], 3)}")  # fmt: skip
-    if on_one_node:
+    if on_one_node and api == "streamed":  # blocks add into zeros: the sums zero them
         dirty = [(s, i) for s, row in enumerate(reducer.views) for i, v in enumerate(row)
                  if v.any()]  # fmt: skip
         if dirty:

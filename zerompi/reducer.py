@@ -274,6 +274,11 @@ class StagedGradients:
         self.full_backends: Sequence[Backend] = ()
         self._grads: FlatArrays | None = None
         self.full_mode: bool | None = None  # decided once, collectively
+        #: Whether this rank entered an ``opt.gradients`` block (which must hand out
+        #: zeros to add into). At the first ``end_micro_batch`` the ranks agree on it:
+        #: when none did, the sums within a node stop zeroing what they read, since
+        #: ``add`` overwrites a stale region (a block used later zeroes its own).
+        self.used_blocks = False
         #: per slot, a whole bucket's cached blocks
         self.blocks: list[list[Block | None]] = [[None] * len(parts) for _ in offsets]
 
@@ -306,6 +311,7 @@ class StagedGradients:
         index, names, whole = found
         if index < 0:
             single_bucket(self.layout, names, "gradients", 2 if self.make_full else 3)
+        self.used_blocks = True
         buf = self.begin(index)
         if self.unwritten:  # the numpy API adds into them: they must hold zeros
             self._zero_unwritten(buf, index, names)
@@ -409,8 +415,8 @@ class StagedGradients:
 
     def end_micro_batch(self) -> None:
         self.flush()
-        if self.full_mode is None:  # once: did any rank use opt.grads before?
-            self.full_mode = bool(self.comm.max(int(self.full is not None)))
+        if self.full_mode is None:  # once: did any rank use opt.grads, or a block?
+            self._agree()
         if self.full_mode:
             if self.full is None:  # another rank uses opt.grads: reduce ours too
                 self.grads  # noqa: B018 (allocates them)
@@ -426,6 +432,23 @@ class StagedGradients:
             self._complete(len(self.inflight))
             for grad in self.full.values():
                 grad.fill(0)
+
+    def _agree(self) -> None:
+        """Collective, once (the first ``end_micro_batch``, after every sum of it):
+        whether any rank used ``opt.grads`` (then every rank reduces full buffers) and
+        whether any entered a block. If none did, no sum zeroes what it reads from now
+        on, on every rank alike: a span counts as zero (``zeros``) only where every
+        node rank zeroed its region of it, so the ranks must switch together. Every
+        hand-over then overwrites its stale region (:meth:`add`), and a block entered
+        later zeroes the regions it hands out (``_zero_unwritten``), so the choice is
+        a speed, never a result: it saves the sum's writes, ``W`` times a shard's
+        bytes per rank and step (``scripts/clear_ab``)."""
+        agreed = np.array([self.full is not None, self.used_blocks], np.float64)
+        self.comm.max_inplace(agreed)
+        self.full_mode = bool(agreed[0])
+        if not agreed[1]:
+            for backend in self.backends:
+                backend.clears = False
 
     def fold(self) -> None:
         """Nothing to fold: staged gradients are reduced per bucket as they arrive."""
