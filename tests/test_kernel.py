@@ -24,7 +24,7 @@ needs_c = pytest.mark.skipif(
     adam._kernels is None, reason="zerompi._kernels not built (no C compiler at install)"
 )
 
-LENGTHS = [0, 1, 7, 16, 17, 63, 1000, (1 << 15) + 5]
+LENGTHS = [0, 1, 7, 16, 17, 63, 64, 96, 1000, (1 << 15) + 5]
 
 #: Every variant the C source can compile, widest first ("auto": the extension's choice).
 ALL_VARIANTS = ("avx512f", "avx2", "baseline")
@@ -295,7 +295,7 @@ def _sum_in_order(out: np.ndarray, parts: list[np.ndarray], add: bool) -> np.nda
 @variants
 @pytest.mark.parametrize("kernel", ["c", "numpy"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 16])
 def test_sum_parts_in_rank_order_with_stats(variant, kernel, dtype, ranks):
     """The node's sum of the parts, in rank order, bit for bit as numpy adds them,
     into a separate ``out`` or into one of the parts itself (a rank's own region of

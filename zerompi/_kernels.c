@@ -343,38 +343,63 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
  * same bits as grad_stats(out) afterwards), in the same pass: the within-node
  * reduction and the gradient statistics read each byte once. out may be one of the
  * parts (the same elements): every element is read from all parts before it is
- * written, LANES at a time. */
-#define SUM_BLOCK 512 /* elements summed in a local (L1) block: a multiple of LANES */
-#define SUM_LOOP(NAME, ATTR, T)                                                          \
+ * written. `clear` zeroes what was read of every part.
+ *
+ * A tile of NV vectors of VB bytes (the variant's native width: 256 bytes with
+ * AVX-512 and AVX2, 128 without) is summed in registers, every part read in turn for
+ * the same tile, so all k parts stream at once. Summing one part at a time into a
+ * buffer of 512 elements in L1 (the loop before) let compilers vectorize across the
+ * parts with gathers and read one part's 2 KiB at a time: 8-9 GB/s on one core at
+ * k = 16 parts against 38 GB/s this way, 27 against 47 at k = 2 (AMD EPYC, AVX-512). */
+#define SUM_LOOP(NAME, ATTR, T, VB, NV)                                                  \
     ATTR static void NAME(T *out, T *const *parts, int k, Py_ssize_t n, int add,         \
                           int stats, int clear, Py_ssize_t *nonfinite, double *sumsq) {  \
+        typedef T vec __attribute__((vector_size(VB)));                                  \
+        enum { W = (int)(VB / sizeof(T)), TILE = NV * W }; /* TILE: a multiple of LANES */ \
         double acc[LANES] = {0.0}, total = 0.0;                                          \
-        T buf[SUM_BLOCK];                                                                \
         Py_ssize_t bad = 0;                                                              \
-        for (Py_ssize_t lo = 0; lo < n; lo += SUM_BLOCK) {                               \
-            const Py_ssize_t len = n - lo < SUM_BLOCK ? n - lo : SUM_BLOCK;               \
-            T *p0 = parts[0] + lo;                                                       \
-            T *o = out + lo;                                                             \
+        const Py_ssize_t tiled = n - n % TILE;                                           \
+        for (Py_ssize_t lo = 0; lo < tiled; lo += TILE) {                                \
+            vec s[NV];                                                                   \
+            T *o = out + lo, *p0 = parts[0] + lo;                                        \
+            for (int v = 0; v < NV; v++) memcpy(&s[v], p0 + v * W, sizeof(vec));         \
             if (add)                                                                     \
-                for (Py_ssize_t j = 0; j < len; j++) buf[j] = o[j] + p0[j];              \
-            else                                                                         \
-                for (Py_ssize_t j = 0; j < len; j++) buf[j] = p0[j];                     \
-            if (clear) memset(p0, 0, (size_t)len * sizeof(T));                          \
+                for (int v = 0; v < NV; v++) {                                           \
+                    vec x;                                                               \
+                    memcpy(&x, o + v * W, sizeof(vec));                                  \
+                    s[v] = x + s[v];                                                     \
+                }                                                                        \
+            if (clear) memset(p0, 0, TILE * sizeof(T));                                  \
             for (int q = 1; q < k; q++) {                                                \
                 T *pq = parts[q] + lo;                                                   \
-                for (Py_ssize_t j = 0; j < len; j++) buf[j] = buf[j] + pq[j];            \
-                if (clear) memset(pq, 0, (size_t)len * sizeof(T));                       \
+                for (int v = 0; v < NV; v++) {                                           \
+                    vec x;                                                               \
+                    memcpy(&x, pq + v * W, sizeof(vec));                                 \
+                    s[v] = s[v] + x;                                                     \
+                }                                                                        \
+                if (clear) memset(pq, 0, TILE * sizeof(T));                              \
             }                                                                            \
-            for (Py_ssize_t j = 0; j < len; j++) o[j] = buf[j];                          \
-            if (!stats) continue;                                                        \
-            const Py_ssize_t whole = len - len % LANES; /* only the last block has more */ \
-            for (Py_ssize_t j = 0; j < whole; j += LANES)                                \
-                for (int l = 0; l < LANES; l++)                                          \
-                    acc[l] += (double)buf[j + l] * (double)buf[j + l];                   \
-            for (Py_ssize_t j = whole; j < len; j++) total += (double)buf[j] * (double)buf[j]; \
+            for (int v = 0; v < NV; v++) memcpy(o + v * W, &s[v], sizeof(vec));          \
+            if (stats)                                                                   \
+                for (int j = 0; j < TILE; j += LANES)                                    \
+                    for (int l = 0; l < LANES; l++)                                      \
+                        acc[l] += (double)o[j + l] * (double)o[j + l];                   \
+        }                                                                                \
+        for (Py_ssize_t j = tiled; j < n; j++) { /* the last partial tile */             \
+            T x = add ? out[j] + parts[0][j] : parts[0][j];                              \
+            if (clear) parts[0][j] = 0;                                                  \
+            for (int q = 1; q < k; q++) {                                                \
+                x = x + parts[q][j];                                                     \
+                if (clear) parts[q][j] = 0;                                              \
+            }                                                                            \
+            out[j] = x;                                                                  \
         }                                                                                \
         if (!stats) return;                                                              \
-        for (int j = 0; j < LANES; j++) total += acc[j];                                 \
+        const Py_ssize_t laned = n - n % LANES;                                          \
+        for (Py_ssize_t j = tiled; j < laned; j += LANES)                                \
+            for (int l = 0; l < LANES; l++) acc[l] += (double)out[j + l] * (double)out[j + l]; \
+        for (Py_ssize_t j = laned; j < n; j++) total += (double)out[j] * (double)out[j]; \
+        for (int l = 0; l < LANES; l++) total += acc[l];                                 \
         if (!isfinite(total))                                                            \
             for (Py_ssize_t m = 0; m < n; m++) bad += !isfinite(out[m]);                 \
         *nonfinite = bad;                                                                \
@@ -505,7 +530,7 @@ typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int,
                            Py_ssize_t *, double *);
 
 /* One set of loops per variant (ATTR: its target attribute). */
-#define VARIANT_LOOPS(SUFFIX, ATTR)                                            \
+#define VARIANT_LOOPS(SUFFIX, ATTR, VB, NV)                                         \
     ADAM_LOOP(adam_float_##SUFFIX, ATTR, float, sqrtf)                        \
     ADAM_LOOP(adam_double_##SUFFIX, ATTR, double, sqrt)                       \
     SGD_LOOP(sgd_float_##SUFFIX, ATTR, float)                                 \
@@ -530,20 +555,20 @@ typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int,
     AF_U_LOOP(af_u_double_##SUFFIX, ATTR, double, sqrt)                       \
     AF_APPLY_LOOP(af_apply_float_##SUFFIX, ATTR, float)                       \
     AF_APPLY_LOOP(af_apply_double_##SUFFIX, ATTR, double)                     \
-    SUM_LOOP(sum_float_##SUFFIX, ATTR, float)                                 \
-    SUM_LOOP(sum_double_##SUFFIX, ATTR, double)                               \
+    SUM_LOOP(sum_float_##SUFFIX, ATTR, float, VB, NV)                           \
+    SUM_LOOP(sum_double_##SUFFIX, ATTR, double, VB, NV)                           \
     ADAM8_LOOP(adam8_float_##SUFFIX, ATTR)
 
 #ifdef HAVE_AVX512F
-VARIANT_LOOPS(avx512f, __attribute__((target("avx512f"))))
+VARIANT_LOOPS(avx512f, __attribute__((target("avx512f"))), 64, 4)
 /* With AVX512BW the compiler vectorizes the 8-bit step's byte loads and stores at the
  * full width (16 elements a vector, not 8): chosen where the CPU has it. */
 ADAM8_LOOP(adam8_float_avx512bw, __attribute__((target("avx512f,avx512bw"))))
 #endif
 #ifdef X86_VARIANTS
-VARIANT_LOOPS(avx2, __attribute__((target("avx2"))))
+VARIANT_LOOPS(avx2, __attribute__((target("avx2"))), 32, 8)
 #endif
-VARIANT_LOOPS(baseline, )
+VARIANT_LOOPS(baseline, , 16, 8)
 
 static adam_f32_fn adam_float_v[N_VARIANTS];
 static adam_f64_fn adam_double_v[N_VARIANTS];
