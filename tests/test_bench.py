@@ -28,6 +28,7 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
     cmd += ["--sizes", "1000,5", "--steps", "2", "--warmup", "1", "--no-torch"]
     cmd += ["--tensors", "40", "--tensor-size", "16", "--no-shared-memory"]
     cmd += ["--json", str(out), "--blas-threads", "1", "--stream-elems", "65536"]
+    cmd += ["--paired-floor"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
@@ -47,6 +48,7 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
         assert row["world_size"] == 2
         assert row["step_ms"] > 0 and row["baseline_ms"] > 0
         assert set(row["phase_ms"]) == {"reduce_scatter", "adam", "allgather"}
+        assert row["hand_over"] == ("add" if row["stage"] >= 2 else None)  # the default
         assert {"impl", "elems_per_s", "torch_fused_elems_per_s", "ratio"} <= set(row["kernel"])
         assert "torch" not in row  # --no-torch
         # The floor: positive, with its own stage's bandwidth and the bytes it assumes.
@@ -56,10 +58,17 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
         assert row["step_per_floor"] == row["step_ms"] / row["floor_ms"]
         assert row["floor_bytes_per_elem"] == floor_bytes(row)
         assert set(row["floor_bytes_per_elem"]) == {"reduce", "stats", "adam", "gather"}
+        # --paired-floor: every timed step over the floor at its own probe's bandwidth
+        assert len(row["paired"]) == 2 and all(s > 0 and g > 0 for s, g in row["paired"])
+        nbytes = sum(row["floor_bytes_per_elem"].values()) * row["adam_elems"] * 2
+        each = sorted(s / (nbytes / (g * 1e9)) for s, g in row["paired"])
+        assert row["step_per_floor_paired"] == pytest.approx((each[0] + each[1]) / 2)
+        assert row["stream_gbps_steps"] > 0
     assert {r["stage"]: sum(r["floor_bytes_per_elem"].values()) for r in rows} == {
         0: 44, 1: 52, 2: 52, 3: 44,
     }  # fmt: skip
     assert "step/floor" in proc.stdout
+    assert "paired floor, stage 2, 1,000 params: each step over the floor" in proc.stdout
     assert "reduce 12 + stats 4 + adam 28 + gather 8 = 52" in proc.stdout
     # The many-tensor row: one per stage, with the per-tensor figures.
     many = results["many_tensors"]
@@ -76,6 +85,21 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
     # The plot is optional: written beside the JSON, or a note that matplotlib is missing.
     assert out.with_suffix(".png").exists() or "matplotlib not installed" in text
     assert "stage" in proc.stdout and "kernel" in proc.stdout
+
+
+@pytest.mark.mpi_skip
+def test_stages_2_3_hand_over_through_blocks_when_asked(tmp_path: Path) -> None:
+    """``--hand-over blocks``: stages 2-3 copy into ``opt.gradients`` blocks (node
+    memory on, the staging zeroed by the sums) and say so in their rows."""
+    out = tmp_path / "bench.json"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "zerompi.bench", "--sizes", "1000",
+           "--steps", "2", "--warmup", "1", "--no-torch", "--tensors", "0", "--stages", "2,3",
+           "--hand-over", "blocks", "--json", str(out), "--stream-elems", "65536"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["stage"], r["hand_over"]) for r in rows] == [(2, "blocks"), (3, "blocks")]
+    assert all(r["step_ms"] > 0 for r in rows)
 
 
 @pytest.mark.mpi_skip

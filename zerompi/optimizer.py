@@ -216,8 +216,7 @@ class ZeroOptimizer:
         The names must be of one bucket at stages 2-3, as for ``gradients``."""
         self._live("gradients")
         engine = self.engine
-        with engine.timings.reduce:
-            engine.reducer.add(engine.names.find(tuple(grads)), grads)
+        engine.reducer.add(engine.names.find(tuple(grads)), grads, engine.timings.reduce)
 
     @communicates
     def _handed_over(self, found: Found) -> None:

@@ -32,6 +32,7 @@ from .nodesum import Stats
 from .partition import Layout
 from .plan import REDUCE_WINDOW, Part
 from .reduction import Backend, InFlight
+from .timings import Phase
 
 Visit = Callable[[int], None]
 
@@ -138,8 +139,9 @@ class FullGradients:
         _, names, _ = found
         return Block({n: self.grads[n] for n in names})
 
-    def add(self, found: Found, grads: Mapping[str, np.ndarray]) -> None:
-        """Add ``grads`` (name -> array) into the full gradient buffers."""
+    def add(self, found: Found, grads: Mapping[str, np.ndarray], phase: Phase) -> None:
+        """Add ``grads`` (name -> array) into the full gradient buffers: the model's
+        writes, as into a block's views, so nothing of it is timed in ``phase``."""
         for name, grad in grads.items():
             dst = self.grads[name]
             np.add(dst, grad.reshape(dst.shape), out=dst)
@@ -358,15 +360,18 @@ class StagedGradients:
         self.pending = None
         return buf
 
-    def add(self, found: Found, grads: Mapping[str, np.ndarray]) -> None:
+    def add(self, found: Found, grads: Mapping[str, np.ndarray], phase: Phase) -> None:
         """Add ``grads`` (name -> array of that parameter's shape or size) into the
         staged gradients of ``found``'s parameters and hand them over: what a
         ``gradients`` block does, in one call. A region not written since its slot
-        was begun is overwritten instead (one pass, no zero-fill first)."""
+        was begun is overwritten instead (one pass, no zero-fill first). ``phase``
+        times what a block times (opening the slot, the hand-over and its
+        reduction), not the copies, which are the model's writes into a block."""
         index, names, whole = found
         if index < 0:
             single_bucket(self.layout, names, "gradients", 2 if self.make_full else 3)
-        buf = self.begin(index)
+        with phase:
+            buf = self.begin(index)
         spans, unwritten = self.ranges[index], self.unwritten
         for name, grad in grads.items():
             if spans is None:
@@ -379,7 +384,8 @@ class StagedGradients:
                 np.copyto(buf[lo:hi], grad.reshape(-1), casting="same_kind")
             else:
                 np.add(buf[lo:hi], grad.reshape(-1), out=buf[lo:hi])
-        self.handed_over(index, None if whole else list(grads))
+        with phase:
+            self.handed_over(index, None if whole else list(grads))
 
     def _zero_unwritten(self, buf: np.ndarray, index: int, names: Sequence[str] | None) -> None:
         """Zero the stale regions of ``names`` (``None``: all) of the open bucket."""

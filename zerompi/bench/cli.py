@@ -26,6 +26,7 @@ from ..runtime import (
 from .floor import STREAM_ELEMS
 from .report import plot, table
 from .run import run
+from .timing import HAND_OVERS
 
 DEFAULT_SIZES = (1_000_000, 16_000_000, 64_000_000)
 #: The default many-tensor row: 1000 one-tensor layers of 256 elements (seconds).
@@ -131,6 +132,20 @@ def build_parser(rank: int = 0) -> argparse.ArgumentParser:
         "--optimizer", choices=tuple(RULES), default="adam",
         help="the update rule the stages run (zerompi.rules; SGD with momentum 0.9); its "
         "floor counts its states",
+    )  # fmt: skip
+    p.add_argument(
+        "--hand-over", choices=HAND_OVERS, default="add",
+        help="how stages 2-3 hand each gradient over: opt.add_gradients (what "
+        "zerompi.torch.shard calls; a parameter's first gradient is copied over its stale "
+        "staging, which needs no zeroing) or opt.gradients blocks copied into (blocks hand "
+        "out zeros to add into); stages 0-1 copy into opt.grads either way",
+    )  # fmt: skip
+    p.add_argument(
+        "--paired-floor", action="store_true",
+        help="also probe the bandwidth right before every timed step (one pass of the "
+        "stream probe), so that each step has its own floor: JSON step_per_floor_paired "
+        "(the median over steps of a step over its floor) and stream_gbps_steps; on a "
+        "machine whose bandwidth drifts within seconds",
     )  # fmt: skip
     p.add_argument(
         "--bucket-elems",

@@ -163,7 +163,16 @@ def floor_fields(row: Mapping[str, Any], stream_gbps: float | None) -> dict[str,
     elems = int(row["adam_elems"]) * int(row["world_size"])
     floor_ms = _ms(sum(per_elem.values()) * elems, stream_gbps)
     fused = fused_floor_bytes(row)
+    paired = {}
+    if row.get("paired"):  # --paired-floor: each step over its own floor
+        total = sum(per_elem.values()) * elems
+        paired = {
+            "step_per_floor_paired": float(np.median(
+                [1e3 * step / _ms(total, gbps) for step, gbps in row["paired"]])),  # type: ignore[operator]
+            "stream_gbps_steps": float(np.median([gbps for _, gbps in row["paired"]])),
+        }  # fmt: skip
     return {
+        **paired,
         "stream_gbps": stream_gbps,
         "floor_bytes_per_elem": per_elem,
         "floor_ms": floor_ms,

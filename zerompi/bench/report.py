@@ -157,6 +157,14 @@ def table(results: dict[str, Any]) -> str:
             f"{_fmt(t.get('ddp_fused_ms')):>9} {_fmt(t.get('zero_ms')):>9} "
             f"{_fmt(r.get('vs_ddp'), '.2f'):>7} {_fmt(r.get('vs_zero'), '.2f'):>7}"
         )
+    for r in sorted(same, key=lambda r: (r["params"], r["stage"])):
+        if r.get("step_per_floor_paired") is not None:
+            lines.append(
+                f"paired floor, stage {r['stage']}, {r['params']:,} params: each step over "
+                f"the floor at the bandwidth probed right before it, median "
+                f"{r['step_per_floor_paired']:.2f} (bandwidth median "
+                f"{r['stream_gbps_steps']:.1f} GB/s)"
+            )
     lines.extend(mixed_table([r for r in results["rows"] if "kernel" not in r]))
     lines.extend(tensor_table(results.get("many_tensors", [])))
     for k in results["kernels"]:

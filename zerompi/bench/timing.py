@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -77,10 +78,37 @@ def gbps(nbytes: float, ms: float) -> float | None:
 # -- our optimizer -----------------------------------------------------------------------
 
 
+class PairedProbe:
+    """``--paired-floor``: the bandwidth all ranks reach streaming together, one pass
+    of :func:`zerompi.bench.floor.stream_bandwidth`'s probe (its arrays kept for the
+    stage), taken right before a step so that the step is divided by what the memory
+    gave at that moment."""
+
+    def __init__(self, comm: Comm, elems: int) -> None:
+        self.comm = comm
+        self.a = np.full(elems, 1.0, np.float32)  # filled: its pages are touched
+        self.b = np.full(elems, 0.5, np.float32)
+        self.total = comm.sum(3 * self.a.nbytes)  # read a, read b, write a; every rank
+
+    def __call__(self) -> float:
+        self.comm.barrier()
+        start = clock()
+        np.add(self.a, self.b, out=self.a)
+        return self.total / self.comm.max(clock() - start) / 1e9
+
+
+#: How stages 2-3 hand gradients over in the benchmark (``--hand-over``).
+HAND_OVERS = ("add", "blocks")
+
+
 def run_iteration(
-    opt: ZeroOptimizer, stage: int, grads: dict[str, np.ndarray], names: Sequence[str]
-) -> None:
-    """One optimizer-side iteration of ``stage`` with this rank's gradients."""
+    opt: ZeroOptimizer, stage: int, grads: dict[str, np.ndarray], names: Sequence[str],
+    hand_over: str = "add",
+) -> None:  # fmt: skip
+    """One optimizer-side iteration of ``stage`` with this rank's gradients: the
+    backward's writes (not timed by the optimizer: a copy into ``opt.grads`` at stages
+    0-1; at stages 2-3 ``opt.add_gradients`` or a copy into an ``opt.gradients``
+    block, ``hand_over``), then ``step()``."""
     if stage < 2:
         for name in names:
             np.copyto(opt.grads[name], grads[name])  # stands for the backward
@@ -90,12 +118,12 @@ def run_iteration(
                 with opt.gathered(name):
                     pass
         for name in reversed(names):  # the backward gathers again and hands over
-            if stage == 3:
-                with opt.gathered(name), opt.gradients(name) as g:
-                    np.copyto(g[name], grads[name])
-            else:
-                with opt.gradients(name) as g:
-                    np.copyto(g[name], grads[name])
+            with opt.gathered(name) if stage == 3 else nullcontext():
+                if hand_over == "add":
+                    opt.add_gradients({name: grads[name]})
+                else:
+                    with opt.gradients(name) as g:
+                        np.copyto(g[name], grads[name])
     opt.step()
 
 
@@ -141,17 +169,22 @@ def bench_stage(
     wall_s: list[float] = []
     phase_s: dict[str, list[float]] = {phase: [] for phase in PHASES}
     sent: dict[str, list[int]] = {"reduce_scatter": [], "allgather": []}
+    paired: list[tuple[float, float]] = []  # (slowest rank's step s, GB/s right before)
+    probe = PairedProbe(comm, args.stream_elems) if getattr(args, "paired_floor", False) else None
     opt.pop_timings()
     opt.comm.pop_traffic()
     for i in range(args.warmup + args.steps):
+        probed = probe() if probe is not None and i >= args.warmup else None
         comm.barrier()
         start = clock()
-        run_iteration(opt, stage, grads, names)
+        run_iteration(opt, stage, grads, names, getattr(args, "hand_over", "add"))
         wall = clock() - start
         timings = opt.pop_timings()
         traffic = opt.comm.pop_traffic()
         if i < args.warmup:
             continue
+        if probed is not None:
+            paired.append((comm.max(sum(timings.values())), probed))
         wall_s.append(wall)
         step_s.append(sum(timings.values()))
         for phase in PHASES:
@@ -160,6 +193,7 @@ def bench_stage(
             sum(traffic.get(op, {}).get("sent", 0) for op in ("reduce_scatter", "allreduce"))
         )
         sent["allgather"].append(traffic.get("allgather", {}).get("sent", 0))
+    del probe
     local = params if stage == 0 else sum(opt.layout.shard_sizes.values())
     rule = opt.engine.rule
     arrays = update_arrays(rule.states, dtype, rule.rereads)
@@ -200,6 +234,8 @@ def bench_stage(
         # node): Adam writes it in place, no gather copy
         "node_shared": node_shared,
         "stats_fused": stats_fused,
+        # how stages 2-3 handed the gradients over (--hand-over)
+        "hand_over": getattr(args, "hand_over", "add") if stage >= 2 else None,
         "step_ms": slowest_median_ms(comm, step_s),
         "phase_ms": phase_ms,
         "wall_ms": slowest_median_ms(comm, wall_s),
@@ -207,6 +243,9 @@ def bench_stage(
         "adam_elems": busiest,
         "adam_elems_per_s": busiest / (phase_ms["adam"] * 1e-3) if phase_ms["adam"] > 0 else None,
         "bandwidth_gbps": bandwidth,
+        # --paired-floor: per timed step, (the slowest rank's step s, the bandwidth
+        # probed right before it, GB/s)
+        **({"paired": paired} if paired else {}),
     }
 
 
