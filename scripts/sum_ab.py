@@ -4,6 +4,7 @@ process: the loop alone over k parts, and the whole step of stages 0-3.
 
     python scripts/sum_ab.py --rev REV [--parts 2,4,8,16] [--region 1e6]
     mpiexec -n 2 python scripts/sum_ab.py --rev REV [--sizes 16e6] [--steps 20]
+    mpiexec -n 16 python scripts/sum_ab.py --parts 16     # this checkout's loop alone
 
 ``--rev`` names a git revision whose ``zerompi/_kernels.c`` is compiled here (with
 ``pyproject.toml``'s flags) into a temporary directory and loaded next to this
@@ -93,11 +94,13 @@ def loop_alone(kernels: dict[str, ModuleType], parts: list[int], region: int, ro
                   for name, t in times.items()}  # fmt: skip
             nbytes = 4 * region * (k + 1)
             if comm.rank == 0:
-                (a, ta), (b, tb) = ms.items()
+                cells = [f"{name} {t:.3f} ms ({nbytes / t / 1e6:.1f} GB/s a rank, "
+                         f"{comm.size * nbytes / t / 1e6:.1f} all)" for name, t in ms.items()]
+                if len(ms) == 2:
+                    (_, ta), (_, tb) = ms.items()
+                    cells.append(f"ratio {tb / ta:.3f}")
                 print(f"sum_ab: loop alone, {comm.size} core(s) at once, k={k:2d} parts of "
-                      f"{region:,}, stats, clear={clear}: {a} {ta:.3f} ms "
-                      f"({nbytes / ta / 1e6:.1f} GB/s), {b} {tb:.3f} ms "
-                      f"({nbytes / tb / 1e6:.1f} GB/s), ratio {tb / ta:.3f}", flush=True)
+                      f"{region:,}, stats, clear={clear}: " + ", ".join(cells), flush=True)
 
 
 def whole_step(kernels: dict[str, ModuleType], sizes_arg: str, steps: int,
@@ -136,7 +139,8 @@ def whole_step(kernels: dict[str, ModuleType], sizes_arg: str, steps: int,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rev", required=True, help="the git revision to compare against")
+    p.add_argument("--rev", help="the git revision to compare against (none: this "
+                   "checkout's loop alone, no whole step)")
     p.add_argument("--parts", default="2,4,8,16")
     p.add_argument("--region", type=count, default=1_000_000)
     p.add_argument("--rounds", type=int, default=9)
@@ -146,12 +150,16 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     if adam_module._kernels is None:
         sys.exit("sum_ab: zerompi._kernels is not built here")
+    parts = [int(k) for k in args.parts.split(",")]
+    if args.rev is None:  # this checkout's loop alone (a machine without git, too)
+        loop_alone({"this checkout": adam_module._kernels}, parts, args.region, args.rounds,
+                   comm)  # fmt: skip
+        return
     with tempfile.TemporaryDirectory() as where:  # (rank 0's is the one used)
         path = comm.bcast(build(args.rev, where) if comm.rank == 0 else None)
         kernels = {args.rev: load(path), "this checkout": adam_module._kernels}
         comm.Barrier()  # every rank loaded it before rank 0 removes the directory
-        loop_alone(kernels, [int(k) for k in args.parts.split(",")], args.region,
-                   args.rounds, comm)  # fmt: skip
+        loop_alone(kernels, parts, args.region, args.rounds, comm)
         if comm.size > 1:
             whole_step(kernels, args.sizes, args.steps, comm)
 

@@ -1,7 +1,8 @@
 """``scripts/node_measure``, the one-call measurement of a whole node (#27), run here
 at W=2 on small sizes: it must leave, in at most 8 files (what the device tool brings
-back), the log with the machine's facts and every part's output, one benchmark JSON
-per world size and the GPT step's JSON, each with its rows. Serial only (it launches
+back), the log with the machine's facts and every part's output (the within-node
+sum's loop alone among them), one benchmark JSON per world size and the GPT step's
+JSON, each with its rows. Serial only (it launches
 mpiexec itself); skipped without torch (the GPT step and the bench's peers need it)."""
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ def test_one_call_leaves_every_part_in_few_files(tmp_path: Path) -> None:
     files = sorted(p.name for p in out.iterdir())
     assert files == ["bench-w2.json", "gpt-w2.json", "log.txt"], files
     log = (out / "log.txt").read_text()
-    for fact in ("commit:", "python:", "mpi:", "kernel:", "MemTotal", "== bench-w2", "== gpt-w2"):
+    for fact in ("commit:", "python:", "mpi:", "kernel:", "MemTotal", "== bench-w2", "== gpt-w2",
+                 "== sum-w2", "loop alone, 2 core(s) at once, k= 2 parts of 8,000,000"):
         assert fact in log, fact
     assert "ended with status" not in log, log[-3000:]
     bench = json.loads((out / "bench-w2.json").read_text())
     assert bench["world_size"] == 2 and [r["stage"] for r in bench["rows"]] == [0, 1, 2, 3]
-    assert all(r["step_per_floor"] > 0 for r in bench["rows"])
+    assert all(r["step_per_floor"] > 0 and r["step_per_floor_paired"] > 0 for r in bench["rows"])
     gpt = json.loads((out / "gpt-w2.json").read_text())
     assert [(r["setup"], r["status"]) for r in gpt["rows"]] == [("zerompi-2", "ok"), ("ddp", "ok")]
