@@ -12,16 +12,28 @@ copies the others' sums: ``zerompi.nodesum.NodeCopies``). Their steps alternate,
 the machine's drift falls on both alike; prints each one's median ``step_ms`` (the
 optimizer's own time, slowest rank), its reduction phase, and the ratios. Needs at
 least two ranks on one node.
+
+A third and fourth turn time the bench's bare baseline of a stage-0 step
+(``zerompi.bench``'s ``overhead``): one blocking ``Allreduce`` of a whole P-element
+buffer, or one per bucket of the optimizer's layout (``zerompi.mpi.bare``), then the
+Adam kernel over P elements; the faster of the two counts, as in the bench.
+``overhead`` here is the node-memory step over it, alternated with it instead of
+timed minutes apart.
 """
 
 import argparse
+import time
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
 
 from zerompi import ZeroOptimizer
+from zerompi.bench.baseline import KernelArrays, bucket_pieces, per_bucket
 from zerompi.bench.model import deferred_model, make_grads, tensor_sizes
 from zerompi.bench.timing import run_iteration
+from zerompi.mpi import bare
+from zerompi.mpi.collectives import Comm
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--sizes", default="16e6,64e6", help="parameters (1e6 notation)")
@@ -43,6 +55,13 @@ for size in (int(float(x)) for x in args.sizes.split(",")):
         raise SystemExit("stage0_ab: stage 0 does not use node memory here (one rank?)")
     steps = {name: [] for name in opts}
     reduce = {name: [] for name in opts}
+    wrapped = Comm(comm)
+    buf = np.zeros(size, f32)
+    kernel = KernelArrays.make(size, f32, float(comm.size), 0)
+    pieces = bucket_pieces(buf, opts["node memory"].layout)  # the optimizer's buckets
+    bare_calls = {"whole": partial(bare.allreduce, wrapped, buf),
+                  "per bucket": per_bucket(wrapped, "allreduce", pieces)}  # fmt: skip
+    baseline: dict[str, list[float]] = {name: [] for name in bare_calls}
     for i in range(args.steps + 2):
         for name, opt in opts.items():
             comm.Barrier()
@@ -51,6 +70,14 @@ for size in (int(float(x)) for x in args.sizes.split(",")):
             if i >= 2:
                 steps[name].append(sum(timings.values()))
                 reduce[name].append(timings.get("reduce_scatter", 0.0))
+        for name, call in bare_calls.items():
+            comm.Barrier()
+            start = time.perf_counter()
+            call()
+            kernel.run()
+            if i >= 2:
+                baseline[name].append(time.perf_counter() - start)
+    del buf, kernel, pieces, bare_calls
     for opt in opts.values():
         opt.close()
 
@@ -58,8 +85,10 @@ for size in (int(float(x)) for x in args.sizes.split(",")):
         return 1e3 * comm.allreduce(float(np.median(values)), op=MPI.MAX)
 
     (a, b), (ra, rb) = ([slowest(v[n]) for n in opts] for v in (steps, reduce))
+    base = min(slowest(t) for t in baseline.values())  # the faster, as the bench takes
     if comm.rank == 0:
         print(f"stage0_ab: {size:,} parameters, W={comm.size}, {args.steps} steps each: "
               f"Allreduce {a:.2f} ms (reduction {ra:.2f}), node memory {b:.2f} ms "
-              f"(reduction {rb:.2f}); step ratio {b / a:.3f}, reduction ratio {rb / ra:.3f}",
+              f"(reduction {rb:.2f}); step ratio {b / a:.3f}, reduction ratio {rb / ra:.3f}; "
+              f"bare Allreduce + kernel {base:.2f} ms, overhead {b / base:.3f}",
               flush=True)  # fmt: skip
