@@ -120,3 +120,71 @@ def test_one_slot_used_from_both_ends(
             problems.append(f"staging (end, bucket) {dirty} not zero after the step")
     opt.close()
     assert_all(not problems, "\n".join(problems[:5]))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_add_gradients_times_what_a_block_times(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch, stage: int
+) -> None:
+    """``opt.add_gradients`` times, in the ``reduce_scatter`` phase, what a block
+    times (opening the staging, the hand-over and its reduction) and not its copies
+    and adds into the staging or the full buffers, which are the model's writes into a
+    block: every write into the buffers happens outside the phase, and the hand-over
+    of stages 2-3 inside it."""
+    import zerompi.reducer as reducer_module
+
+    params = make_params(spec_of({"a.w": (5, 3), "a.b": (4,), "b.w": (6,)}, np.float32), 2)
+    opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=1, lr=0.1)
+    phase = opt.engine.timings.reduce
+    inside = {"phase": False}
+    writes: list[bool] = []
+    handovers: list[bool] = []
+
+    class Tracked(type(phase)):  # type: ignore[misc]
+        __slots__ = ()
+
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            inside["phase"] = True
+            return super().__enter__()
+
+        def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+            inside["phase"] = False
+            return super().__exit__(*exc)
+
+    phase.__class__ = Tracked
+
+    class Np:  # zerompi.reducer's numpy, its buffer writes recorded
+        def __getattr__(self, name):  # type: ignore[no-untyped-def]
+            return getattr(np, name)
+
+        def copyto(self, *a, **k):  # type: ignore[no-untyped-def]
+            writes.append(inside["phase"])
+            return np.copyto(*a, **k)
+
+        def add(self, *a, **k):  # type: ignore[no-untyped-def]
+            writes.append(inside["phase"])
+            return np.add(*a, **k)
+
+    monkeypatch.setattr(reducer_module, "np", Np())
+    if stage >= 2:
+        real = type(opt.engine.reducer).handed_over
+
+        def handed_over(self, *a):  # type: ignore[no-untyped-def]
+            handovers.append(inside["phase"])
+            return real(self, *a)
+
+        monkeypatch.setattr(type(opt.engine.reducer), "handed_over", handed_over)
+    rng = np.random.default_rng(comm.rank)
+    for _ in range(2):
+        for name in reversed(list(params)):
+            grad = rng.standard_normal(params[name].shape).astype(np.float32)
+            with opt.gathered(name):  # (stage 3: the layer is gathered in a backward)
+                opt.add_gradients({name: grad})
+        opt.step()
+    opt.close()
+    problems = []
+    if not writes or any(writes):
+        problems.append(f"writes inside the phase: {writes}")
+    if stage >= 2 and (not handovers or not all(handovers)):
+        problems.append(f"hand-overs outside the phase: {handovers}")
+    assert_all(not problems, "\n".join(problems))
