@@ -15,9 +15,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -271,8 +273,14 @@ class Job:
         self.control = tmp / "control"
         self.control.mkdir()
         self.json = tmp / "out.json"
+        # PRRTE's session directory ($TMPDIR/ompi.<launcher's PID>) in a fresh, short
+        # folder of the job's own: a launcher killed by a test leaves its folder
+        # behind, and a later launcher that gets the same PID (pid_max is 32768 on a
+        # small machine) then cannot start its PMIx server ("The PMIx server's
+        # listener thread failed to start"); short, for the PMIx sockets' paths.
+        self.session = tempfile.mkdtemp(prefix="zp")
         env = dict(os.environ, ZEROMPI_TEST_CONTROL=str(self.control),
-                   ZEROMPI_TEST_PAUSE=pauses, ZEROMPI_TIMEOUT="60")  # fmt: skip
+                   ZEROMPI_TEST_PAUSE=pauses, ZEROMPI_TIMEOUT="60", TMPDIR=self.session)
         env.pop("ZEROMPI_NO_ABORT_HOOK", None)
         cmd = [mpiexec(), "--with-ft", "ulfm", "--oversubscribe", "-n", str(ranks),
                sys.executable, str(script), *args, "--json", str(self.json)]  # fmt: skip
@@ -301,6 +309,7 @@ class Job:
         except subprocess.TimeoutExpired:
             self.kill()
             raise
+        shutil.rmtree(self.session, ignore_errors=True)
         results = json.loads(self.json.read_text()) if self.json.exists() else {}
         return self.proc.returncode, out, results
 
@@ -309,6 +318,8 @@ class Job:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.proc.wait()
+        shutil.rmtree(self.session, ignore_errors=True)
 
     def output(self) -> str:
         self.kill()
