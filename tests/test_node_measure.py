@@ -24,7 +24,8 @@ def test_one_call_leaves_every_part_in_few_files(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "ZEROMPI_NO_ABORT_HOOK"}
     env.update(ZEROMPI_NODE_SIZES="1e5", ZEROMPI_NODE_GPT="2e5",
-               ZEROMPI_NODE_SETUPS="zerompi-2,ddp", ZEROMPI_NODE_LIMIT="120")  # fmt: skip
+               ZEROMPI_NODE_SETUPS="zerompi-2,ddp", ZEROMPI_NODE_LIMIT="120",
+               ZEROMPI_NODE_SUM_REGION="100000")  # fmt: skip
     proc = subprocess.run(["bash", "scripts/node_measure", str(out), "2"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=280)  # fmt: skip
     text = proc.stdout + proc.stderr
@@ -33,7 +34,7 @@ def test_one_call_leaves_every_part_in_few_files(tmp_path: Path) -> None:
     assert files == ["bench-w2.json", "gpt-w2.json", "log.txt"], files
     log = (out / "log.txt").read_text()
     for fact in ("commit:", "python:", "mpi:", "kernel:", "MemTotal", "== bench-w2", "== gpt-w2",
-                 "== sum-w2", "loop alone, 2 core(s) at once, k= 2 parts of 8,000,000"):
+                 "== sum-w2", "loop alone, 2 core(s) at once, k= 2 parts of 100,000"):
         assert fact in log, fact
     assert "ended with status" not in log, log[-3000:]
     bench = json.loads((out / "bench-w2.json").read_text())

@@ -324,9 +324,9 @@ def test_sums_stop_zeroing_when_no_rank_uses_blocks(comm: MPI.Intracomm, stage: 
         if any(b.clears != clears for b in summed):
             problems.append(f"{api}: clears {[b.clears for b in summed]}, want {clears}")
         opt.close()
-    for script in (piecemeal, twice, skipping):
-        for api in ("late", "rank"):
-            problems += run_script(comm, stage, script, steps=3, api=api)
+    for script, api in ((piecemeal, "late"), (piecemeal, "rank"), (twice, "late"),
+                        (skipping, "rank")):  # fmt: skip
+        problems += run_script(comm, stage, script, steps=3, api=api)
     verdict(problems, f"stage {stage}")
 
 
