@@ -5,7 +5,7 @@ they must agree exactly (bit patterns, NaN and infinity included), for every dty
 weight-decay mode, divisor and length, 0 and vector tails included -- and so must
 every compiled variant of the C loops (AVX-512, AVX2, baseline), not only the one
 this CPU picks; a variant the CPU cannot run is skipped, saying so. Local and
-deterministic, so the same on every rank: plain asserts are collective enough here.
+deterministic, so the same on every rank: the serial run alone runs it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ import pytest
 
 from zerompi import adam
 from zerompi.adam import AdamConfig, adam_step
+
+#: Local and the same on every rank: under mpiexec each rank would only repeat the
+#: serial run's work (a quarter of the suite's tests), so the serial run alone runs it.
+pytestmark = pytest.mark.mpi_skip
 
 needs_c = pytest.mark.skipif(
     adam._kernels is None, reason="zerompi._kernels not built (no C compiler at install)"

@@ -17,6 +17,9 @@ from hypothesis import strategies as st
 
 from zerompi import Layout, gather_shards, plan_buckets, shard, shard_counts, shard_range
 
+#: Pure functions: under mpiexec each rank would only repeat the serial run's work.
+pytestmark = pytest.mark.mpi_skip
+
 totals = st.integers(min_value=0, max_value=10_000)
 worlds = st.integers(min_value=1, max_value=64)
 

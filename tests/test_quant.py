@@ -1,7 +1,7 @@
 """Blockwise 8-bit quantization (:mod:`zerompi.quant`) and the 8-bit Adam reference
 built on it: nearest codes, blocks cut from the flat array's start so that any cut
 into shards quantizes to the same bytes once the parts agree on the scales, and a
-reference that trains like float32 Adam. Serial, one fixed seed (every rank alike)."""
+reference that trains like float32 Adam. Serial, one fixed seed; the serial run alone."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import pytest
 
 from zerompi import quant
 from zerompi.reference import ReferenceAdam, ReferenceAdam8bit
+
+#: Serial and local: under mpiexec each rank would only repeat the serial run's work.
+pytestmark = pytest.mark.mpi_skip
 
 MAPS = {"signed": quant.SIGNED, "unsigned": quant.UNSIGNED}
 
