@@ -343,23 +343,21 @@ def test_no_room_in_dev_shm_falls_back_by_default(
 def test_stage_0_on_nodes_and_one_rank_share_nothing_by_default(
     comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Stage 0 (plain data parallelism) sums its gradients in node shared memory on one
-    node only (over several it is an ``Allreduce``), and by default neither a single
-    rank nor one rank per node uses it (there is nothing to share);
-    ``shared_memory=True`` still takes the hierarchical path there."""
+    """Stage 0 (plain data parallelism) sums its gradients in node shared memory on any
+    number of nodes of equal size, and by default neither a single rank nor one rank
+    per node uses it (there is nothing to share); ``shared_memory=True`` still takes
+    the hierarchical path there, at stage 0 too."""
     params = _params()
     zero = ZeroOptimizer(params, comm=comm, stage=0)
-    one_node = zero.nodes.count == 1 and comm.size > 1
+    shares = zero.nodes.uniform and zero.nodes.size > 1
     alone = ZeroOptimizer(params, comm=MPI.COMM_SELF, stage=2)
     monkeypatch.setenv(NODE_SIZE_ENV, "1")
     spread = ZeroOptimizer(params, comm=comm, stage=2)
     spread_zero = ZeroOptimizer(params, comm=comm, stage=0, shared_memory=True)
     insisted = ZeroOptimizer(params, comm=comm, stage=2, shared_memory=True)
-    ok = zero.shared_memory == one_node and not (
-        alone.shared_memory or spread.shared_memory
-        or (spread_zero.shared_memory and spread_zero.nodes.count > 1)
-    )  # fmt: skip
-    assert_all(ok and insisted.shared_memory, "shared memory in use, or not where insisted")
+    ok = zero.shared_memory == shares and not (alone.shared_memory or spread.shared_memory)
+    insisted_ok = insisted.shared_memory and spread_zero.shared_memory
+    assert_all(ok and insisted_ok, "shared memory in use, or not where insisted")
 
 
 def test_a_bad_node_size_is_an_error_on_every_rank(
@@ -391,9 +389,11 @@ def test_a_bad_node_size_is_an_error_on_every_rank(
     assert_all(not problems, "\n".join(problems))
 
 
-def test_stage_0_on_one_node_sums_in_memory_as_allreduce_does(comm: MPI.Intracomm) -> None:
-    """Stage 0 on one node (its default there): each rank sums its shard in node
-    memory, then copies the others' sums (``NodeCopies``). With gradients whose sums
+def test_stage_0_sums_in_node_memory_as_allreduce_does(comm: MPI.Intracomm) -> None:
+    """Stage 0 in node memory (its default with more than one rank per node): each rank
+    sums its region in node memory (over several nodes, then reduce-scatters the node
+    sums with the ranks of its local index and gathers their results back), then
+    copies the others' regions (``NodeCopies``). With gradients whose sums
     are exact (multiples of 1/8), its parameters after steps of one and of two
     micro-batches are the ``Allreduce`` path's bit for bit, every rank's gradient
     buffer is zero after each step (the next one starts from zero), and the reduced
@@ -402,7 +402,7 @@ def test_stage_0_on_one_node_sums_in_memory_as_allreduce_does(comm: MPI.Intracom
     node = ZeroOptimizer(params, comm=comm, stage=0, bucket_elems=7)
     mpi = ZeroOptimizer(params, comm=comm, stage=0, bucket_elems=7, shared_memory=False)
     problems = []
-    if node.engine.plan.shared_memory != (node.nodes.count == 1 and comm.size > 1):
+    if node.engine.plan.shared_memory != (node.nodes.uniform and node.nodes.size > 1):
         problems.append(f"node memory {node.engine.plan.shared_memory} on {node.nodes}")
     for step, micro in enumerate((1, 2, 1)):
         for k in range(micro):

@@ -206,18 +206,15 @@ def choose_shared(
 ) -> bool:  # fmt: skip
     """Collective: whether an optimizer of ``stage`` uses node shared memory.
     ``asked``: ``False`` never; ``True`` wherever it can work (every node the same
-    number of ranks); ``None`` (the default) also needs more than one rank per node,
-    one node at stage 0 (its gradients summed there; over several nodes stage 0 is
-    an ``Allreduce``) and room in ``/dev/shm`` on every node for what ``plan()`` (the
-    buffer plan with shared memory) puts there. Where it was asked for or is the
+    number of ranks); ``None`` (the default) also needs more than one rank per node
+    and room in ``/dev/shm`` on every node for what ``plan()`` (the buffer plan with
+    shared memory) puts there. Where it was asked for or is the
     default and cannot be used, rank 0 prints one line saying why, and the MPI
     collectives run instead."""
     from .mpi.shm import segment_bytes, shm_dir, shm_free_bytes
 
     if asked is False or (asked is None and comm.size == 1):
         return False
-    if stage == 0 and nodes.count > 1:
-        return False  # (an Allreduce over the nodes; no notice needed)
     if asked is None and nodes.uniform and nodes.size == 1:
         return False  # one rank per node: nothing to share (and no notice needed)
     why = ""
@@ -465,7 +462,7 @@ def _reducer(
                 to_zero.append(part.full_grad)  # type: ignore[arg-type]
         micro = per_micro if any(b is not None for b in per_micro) else []
         gather = None
-        if plan.stage == 0 and node_sum is not None:  # the others' sums, from their buffers
+        if plan.stage == 0 and node_sum is not None:  # the others' regions, from their buffers
             gather = NodeCopies(comm, layout, nodes, node_sum.segments,
                                 [p.full_grad for p in parts])  # type: ignore[misc]  # fmt: skip
         return FullGradients(comm, parts, grads, at_step, micro, to_zero,  # type: ignore[arg-type]

@@ -132,14 +132,18 @@ class StatsRuns:
 
 
 class NodeCopies:
-    """Stage 0 on one node, once every rank summed its shard of every bucket into its
-    own full gradient buffer (:class:`NodeSum`, in place, zeroing nothing: these copies
-    overwrite the other shards, and the buffer is zeroed after Adam): each rank copies
-    the other ranks' sums from their buffers into its own, so every rank holds the
-    whole reduced gradient (an ``Allreduce`` through memory; each byte read once here, where MPI's
-    moves it through its shared cells). A node fence before (every sum is done) and
-    one after (no rank zeroes or refills its buffer while another still copies from it).
-    ``full[index]``: bucket ``index`` of this rank's full gradient buffer."""
+    """Stage 0 in node memory, once every rank has its shard of every bucket reduced
+    in its own full gradient buffer (:class:`NodeSum`, in place, zeroing nothing:
+    these copies overwrite the rest, and the buffer is zeroed after Adam). Over
+    several nodes, the ranks of each local index first gather their reduced shards
+    across nodes (``Allgatherv`` on the cross-node communicator, straight into their
+    buffers), so each holds its whole *region*. Then each rank copies the other
+    local indices' regions from their node ranks' buffers into its own, so every rank
+    holds the whole reduced gradient (an ``Allreduce`` through memory; each byte read
+    once here, where MPI's moves it through its shared cells). A node fence before
+    (every region is complete) and one after (no rank zeroes or refills its buffer
+    while another still copies from it). ``full[index]``: bucket ``index`` of this
+    rank's full gradient buffer."""
 
     def __init__(
         self, comm: Comm, layout: Layout, nodes: Nodes, segments: Mapping[np.dtype, SharedSegment],
@@ -147,18 +151,36 @@ class NodeCopies:
     ) -> None:  # fmt: skip
         self.comm, self.layout, self.node, self.full = comm, layout, nodes.node, full
         members = nodes.members[nodes.index]
-        #: Per bucket: (this rank's copy, each other rank's sums) of every other shard.
+
+        def region(local: int) -> list[int]:  # the ranks of a local index, node by node
+            return [m[local] for m in nodes.members]
+
+        #: Per bucket: (this rank's copy, a node rank's sums) of every other region.
         self.copies = [
             [(full[i][lo:hi], segments[b.dtype].peers[q][b.start + lo : b.start + hi])
              for q, rank in enumerate(members) if rank != comm.rank
-             for lo, hi in (b.local(rank),) if hi > lo]
+             for owner in region(q) for lo, hi in (b.local(owner),) if hi > lo]
             for i, b in enumerate(layout.buckets)
         ]  # fmt: skip
+        #: Per bucket, over several nodes: the gather of this rank's region.
+        self.planned = []
+        if nodes.count > 1:
+            assert nodes.cross is not None
+            self.cross, peers = nodes.cross, nodes.peers
+            self.planned = [
+                self.cross.plan_allgatherv(
+                    full[i], [b.counts[r] for r in peers], [b.displs[r] for r in peers], i
+                )
+                for i, b in enumerate(layout.buckets)
+            ]
 
     def __call__(self) -> None:
-        """Collective over the node: the others' shards into this rank's buffer."""
+        """Collective over the node (over the nodes too, where there are several):
+        the others' shards into this rank's buffer."""
         comm = self.comm
-        self.node.fence()  # every rank's sums are in its buffer
+        if self.planned:  # this rank's region, from the other nodes
+            self.cross.wait_all([p.start() for p in self.planned])
+        self.node.fence()  # every rank's region is in its buffer
         for index, bucket in enumerate(self.layout.buckets):
             comm.record_shared("allgatherv", index, bucket.size)
             for mine, theirs in self.copies[index]:

@@ -15,7 +15,7 @@ stage   parameters  gradients             Adam moments   reduction / gather
 
 (The MPI path. With node shared memory, :attr:`StagePlan.node_memory`: one parameter
 copy per node in stages 1-2 and in 3 on one node, stage 3's gathered layers once per
-node over several; the full gradient buffers of stages 0 (on one node) and 1 and the
+node over several; the full gradient buffers of stages 0 and 1 and the
 staging buckets of 2-3 summed within a node; see :mod:`zerompi.mpi.nodes` and
 :mod:`zerompi.nodesum`.)
 
@@ -151,12 +151,14 @@ def stage_plan(
 ) -> StagePlan:  # fmt: skip
     """The plan of ``stage``. With ``shared_memory``:
 
-    * stage 0 on ``one_node`` keeps its full gradient buffers in node shared memory
-      (not ``low_grads``): each rank sums its shard of a bucket from every node rank's
-      buffer, with the statistics in the same pass, and then copies the others' sums
-      into its own buffer (:class:`zerompi.reducer.FullGradients`), where MPI's
-      ``Allreduce`` would move each byte through its shared cells; the parameters and
-      states stay every rank's own (stage 0 updates them all on every rank);
+    * stage 0 keeps its full gradient buffers in node shared memory (not
+      ``low_grads``): each rank sums its region of a bucket from every node rank's
+      buffer (on one node its shard, with the statistics in the same pass; over
+      several, the ranks of its local index reduce-scatter their node's sums and
+      gather the results back across nodes), and then copies the others' regions into
+      its own buffer (:class:`zerompi.nodesum.NodeCopies`), where MPI's ``Allreduce``
+      would move each byte through its shared cells; the parameters and states stay
+      every rank's own (stage 0 updates them all on every rank);
 
     * the parameters are one copy per node at stages 1-2, and at stage 3 on
       ``one_node`` too (the node's ranks' shards together are the whole model, so the
@@ -169,7 +171,7 @@ def stage_plan(
     ``layer_buffers=False`` (stage 3 without a node copy): no gather buffers; the
     caller gathers into its own memory (the torch adapter)."""
     if stage == 0:
-        grads = shared_memory and one_node and not low_grads
+        grads = shared_memory and not low_grads
         return StagePlan(
             stage=0, full_params=True, full_grads=True, access=Access.RESIDENT,
             reduce=Reduce.NODE_SUM if grads else Reduce.ALLREDUCE, reduce_low=Reduce.SPLIT,
@@ -272,7 +274,7 @@ def buffer_plan(
             add(Kind.GRADS, r_dt, size, dtype)
             if prec.low_grads:
                 add(Kind.GRADS_REDUCED, dtype, local, dtype)
-            elif stage == 1 and node_sums and not low_any:  # node sums, per window slot
+            elif node_sums and not low_any:  # node sums, per window slot
                 add(Kind.GRAD_NODE, dtype, widest(dtype) * REDUCE_WINDOW, dtype)
         else:
             add(Kind.GRADS, dtype, shard, dtype)

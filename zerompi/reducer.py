@@ -125,7 +125,7 @@ class FullGradients:
     ) -> None:  # fmt: skip
         self.comm, self.parts, self.grads = comm, parts, grads
         self.at_step, self.per_micro, self.to_zero = at_step, per_micro, to_zero
-        #: Stage 0 summed within one node: the other ranks' sums copied in at the end
+        #: Stage 0 summed in node memory: the other ranks' regions copied in at the end
         #: (:class:`zerompi.nodesum.NodeCopies`).
         self.gather = gather
         #: Per bucket, the backend of its reduction at ``step()``.

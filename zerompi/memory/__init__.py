@@ -333,11 +333,8 @@ def _layout(
 def uses_shared(asked: bool | None, stage: int, world_size: int, ranks_per_node: int) -> bool:
     """Whether an optimizer uses node shared memory (:func:`zerompi.engine.choose_shared`,
     assuming room in ``/dev/shm``): not when ``asked`` is ``False``, by default only
-    with more than one rank per node, only with nodes of equal size, and at stage 0
-    only on one node."""
+    with more than one rank per node, and only with nodes of equal size."""
     if asked is False or (asked is None and min(world_size, ranks_per_node) == 1):
-        return False
-    if stage == 0 and ranks_per_node < world_size:
         return False
     return world_size % ranks_per_node == 0
 

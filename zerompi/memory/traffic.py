@@ -5,7 +5,7 @@ from the layout: per collective ``sent``/``received`` is the algorithm-independe
 volume (what must leave and reach the rank: ``(W-1)/W`` of a bucket, averaged over
 ranks), and ``sent_between``/``received_between`` the part of it that crosses a node
 boundary. Flat collectives exchange with every rank of other nodes; over node shared
-memory (stages 1-3 with ``shared_memory``, and stage 0 on one node) nothing moves
+memory (every stage with ``shared_memory``) nothing moves
 between the ranks of a node and only the cross-node step crosses: the node's sums of
 this rank's region
 (reduction, in the master dtype) and this rank's shard to the other nodes (gather),
@@ -87,8 +87,10 @@ def step_traffic(
             _book(books, "allgather", (world - 1) * mine * m, (size - mine) * m,
                   between("allgatherv", counts, m))  # fmt: skip
         # -- the gather
-        if stage == 0 and node_full:  # the others' sums copied in (one node)
-            _book(books, "allgather", *ag_textbook, (0, 0))
+        if stage == 0 and node_full:  # the reduced shards of this rank's local index
+            # gathered across nodes, then the others' regions copied in
+            hier = ((nodes - 1) * mine * m, (region - mine) * m) if nodes > 1 else (0, 0)
+            _book(books, "allgather", (world - 1) * mine * m, (size - mine) * m, hier)
         elif shared and (stage in (1, 2) or (stage == 3 and nodes == 1)):  # the node's copy:
             # other nodes' shards into it (stage 3 on one node reads it in place)
             hier = ((nodes - 1) * mine * p, (region - mine) * p) if nodes > 1 else (0, 0)
