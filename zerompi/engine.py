@@ -419,14 +419,16 @@ def _reducer(
         wide, count = sums.shape[0] // slots, sum(bucket.counts[r] for r in peers)
         return [sums[s * wide : s * wide + count] for s in range(slots)]
 
-    def node_reduce(index: int, bases: Sequence[int], fence: bool, after: bool,
-                    shard: np.ndarray | None = None) -> NodeReduce:  # fmt: skip
+    def node_reduce(
+        index: int, bases: Sequence[int], fence: bool, after: bool,
+        shard: np.ndarray | None = None, clears: bool = True,
+    ) -> NodeReduce:  # fmt: skip
         bucket, slots = layout.buckets[index], len(bases)
         assert node_sum is not None
         return NodeReduce(
             comm, bucket, index, parts[index].grad if shard is None else shard, node_sum,
             bases, fence, after, cross, [bucket.counts[r] for r in peers],
-            node_views(index, slots) if cross else (),
+            node_views(index, slots) if cross else (), clears,
         )  # fmt: skip
 
     if plan.full_grads:  # stages 0-1
@@ -445,13 +447,11 @@ def _reducer(
                 to_zero.append(part.full_grad)  # type: ignore[arg-type]
             elif kind is Reduce.NODE_SUM and plan.stage == 0:  # its shard, then the others'
                 lo, hi = bucket.local(comm.rank)
-                region = part.full_grad[lo:hi]  # type: ignore[index]
-                backend = node_reduce(index, [bucket.start] * REDUCE_WINDOW, index == 0, False,
-                                      region)  # fmt: skip
+                shard = part.full_grad[lo:hi]  # type: ignore[index]
                 # No zeroing in the sum: every rank's copies overwrite what it would zero,
                 # and the whole buffer is zeroed after Adam.
-                backend.clears = False
-                at_step.append(backend)
+                at_step.append(node_reduce(index, [bucket.start] * REDUCE_WINDOW, index == 0,
+                                           False, shard, clears=False))  # fmt: skip
                 to_zero.append(part.full_grad)  # type: ignore[arg-type]
             elif kind is Reduce.NODE_SUM:  # (the sums zeroed what they read, but its own)
                 at_step.append(node_reduce(index, [bucket.start] * REDUCE_WINDOW,

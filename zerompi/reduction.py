@@ -155,13 +155,13 @@ class NodeReduce(_Prepared):
         self, comm: Comm, bucket: Bucket, index: int, shard: np.ndarray, node_sum: NodeSum,
         bases: Sequence[int], fence: bool, fence_after: bool,
         cross: Comm | None = None, cross_counts: Sequence[int] = (),
-        views: Sequence[np.ndarray] = (),
+        views: Sequence[np.ndarray] = (), clears: bool = True,
     ) -> None:  # fmt: skip
         super().__init__(comm, bucket, index, shard)
         self.node_sum, self.bases = node_sum, bases
         self.fence, self.fence_after = fence, fence_after
         self.cross, self.cross_counts, self.views = cross, cross_counts, views
-        self.clears = True
+        self.clears = clears
 
     def start(self, src: np.ndarray, slot: int | None, add: bool) -> InFlight | None:
         index, base = self.index, self.bases[slot or 0]
