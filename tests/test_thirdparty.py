@@ -40,6 +40,9 @@ def has_nanogpt() -> bool:
     return importlib.util.find_spec("nano_gpt") is not None
 #: world size -> float32 parameter tolerance (see the module docstring)
 PARAMS = {2: 1e-5, 3: 3e-5}
+#: world size -> steps: at 3 ranks (more than this 2-core CI machine's cores, every
+#: rank's torch slower) the uneven layout in half the steps of 2 ranks' run
+STEPS = {2: 10, 3: 5}
 
 
 @pytest.mark.mpi_skip
@@ -48,7 +51,8 @@ PARAMS = {2: 1e-5, 3: 3e-5}
 def test_third_party_models_match_ddp_at_every_stage(world: int) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    status, out, _ = run([mpiexec(), "-n", str(world), sys.executable, str(SCRIPT)], timeout=240)
+    status, out, _ = run([mpiexec(), "-n", str(world), sys.executable, str(SCRIPT),
+                          "--steps", str(STEPS[world])], timeout=240)  # fmt: skip
     found = re.findall(r"RESULT (\{.*\})", out)
     assert status == 0 and len(found) == 1, out
     rows = json.loads(found[0])["rows"]
