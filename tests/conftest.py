@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from helpers import CollectiveAssertionError
+from helpers import RUN_COMMS, CollectiveAssertionError
 from hypothesis import HealthCheck, settings
 from mpi4py import MPI
 
@@ -165,10 +165,8 @@ def _communicators() -> dict[str, MPI.Intracomm]:
 def comm(request: pytest.FixtureRequest) -> MPI.Intracomm:
     """A communicator to run a collective test on (see module docstring): the same
     on every rank, and skipped alike on every rank where it repeats another."""
-    if WORLD.size == 1 and request.param != "world":
-        pytest.skip("a world of one: the same one rank as 'world'")
-    if WORLD.size > 1 and request.param == "self":
-        pytest.skip("'split' holds the last rank alone; the serial run is the world of one")
+    if request.param not in RUN_COMMS:
+        pytest.skip("the same as another communicator in this world (helpers.RUN_COMMS)")
     return _communicators()[request.param]
 
 
