@@ -340,7 +340,7 @@ def test_no_room_in_dev_shm_falls_back_by_default(
     assert_all(not problems, "\n".join(problems))
 
 
-def test_stage_0_on_nodes_and_one_rank_share_nothing_by_default(
+def test_one_rank_and_one_rank_per_node_share_nothing_by_default(
     comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Stage 0 (plain data parallelism) sums its gradients in node shared memory on any

@@ -201,10 +201,9 @@ class Engine:
 
 
 def choose_shared(
-    asked: bool | None, stage: int, comm: Comm, nodes: Nodes,
-    plan: Callable[[], Sequence[PlannedBuffer]],
+    asked: bool | None, comm: Comm, nodes: Nodes, plan: Callable[[], Sequence[PlannedBuffer]],
 ) -> bool:  # fmt: skip
-    """Collective: whether an optimizer of ``stage`` uses node shared memory.
+    """Collective: whether an optimizer uses node shared memory (every stage alike).
     ``asked``: ``False`` never; ``True`` wherever it can work (every node the same
     number of ranks); ``None`` (the default) also needs more than one rank per node
     and room in ``/dev/shm`` on every node for what ``plan()`` (the buffer plan with
@@ -285,7 +284,7 @@ def build_engine(
     nodes = nodes_of(comm)  # how the ranks sit on nodes (zerompi.mpi.nodes)
     buddies = buddies_of(comm, nodes) if elastic else None
     shared = choose_shared(
-        settings.shared_memory, config.stage, comm, nodes,
+        settings.shared_memory, comm, nodes,
         lambda: _buffers(settings, layout, nodes, _plan(settings, nodes, True), None),
     )  # fmt: skip
     plan = _plan(settings, nodes, shared)

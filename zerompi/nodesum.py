@@ -150,23 +150,19 @@ class NodeCopies:
         full: Sequence[np.ndarray],
     ) -> None:  # fmt: skip
         self.comm, self.layout, self.node, self.full = comm, layout, nodes.node, full
-        members = nodes.members[nodes.index]
-
-        def region(local: int) -> list[int]:  # the ranks of a local index, node by node
-            return [m[local] for m in nodes.members]
-
+        self.cross = nodes.cross
         #: Per bucket: (this rank's copy, a node rank's sums) of every other region.
         self.copies = [
             [(full[i][lo:hi], segments[b.dtype].peers[q][b.start + lo : b.start + hi])
-             for q, rank in enumerate(members) if rank != comm.rank
-             for owner in region(q) for lo, hi in (b.local(owner),) if hi > lo]
+             for q in range(nodes.size) if q != nodes.local
+             for owner in nodes.with_local(q) for lo, hi in (b.local(owner),) if hi > lo]
             for i, b in enumerate(layout.buckets)
         ]  # fmt: skip
         #: Per bucket, over several nodes: the gather of this rank's region.
         self.planned = []
         if nodes.count > 1:
-            assert nodes.cross is not None
-            self.cross, peers = nodes.cross, nodes.peers
+            assert self.cross is not None
+            peers = nodes.peers
             self.planned = [
                 self.cross.plan_allgatherv(
                     full[i], [b.counts[r] for r in peers], [b.displs[r] for r in peers], i
@@ -179,7 +175,7 @@ class NodeCopies:
         the others' shards into this rank's buffer."""
         comm = self.comm
         if self.planned:  # this rank's region, from the other nodes
-            self.cross.wait_all([p.start() for p in self.planned])
+            self.cross.wait_all([p.start() for p in self.planned])  # type: ignore[union-attr]
         self.node.fence()  # every rank's region is in its buffer
         for index, bucket in enumerate(self.layout.buckets):
             comm.record_shared("allgatherv", index, bucket.size)

@@ -221,7 +221,7 @@ def estimate(
         _sizing_dtype(reduce_dtype, "reduce_dtype"),
     )  # fmt: skip
     per_node = ranks_per_node or world_size
-    shared = uses_shared(False if elastic else shared_memory, stage, world_size, per_node)
+    shared = uses_shared(False if elastic else shared_memory, world_size, per_node)
     count, local, peers = node_of(world_size, rank, per_node)
     low = any(p.low_grads for p in precs.values())
     stage_kinds = stage_plan(stage, shared, count == 1, low)
@@ -330,7 +330,7 @@ def _layout(
     return layout.for_rank(rank)
 
 
-def uses_shared(asked: bool | None, stage: int, world_size: int, ranks_per_node: int) -> bool:
+def uses_shared(asked: bool | None, world_size: int, ranks_per_node: int) -> bool:
     """Whether an optimizer uses node shared memory (:func:`zerompi.engine.choose_shared`,
     assuming room in ``/dev/shm``): not when ``asked`` is ``False``, by default only
     with more than one rank per node, and only with nodes of equal size."""

@@ -84,7 +84,12 @@ class Nodes:
     def peers(self) -> list[int]:
         """The communicator ranks with this rank's local index, one per node, in node
         order: whose shards make up this rank's region (uniform layouts only)."""
-        return [m[self.local] for m in self.members]
+        return self.with_local(self.local)
+
+    def with_local(self, local: int) -> list[int]:
+        """The communicator ranks with local index ``local``, one per node, in node
+        order: whose shards make up that index's region (uniform layouts only)."""
+        return [m[local] for m in self.members]
 
     def region(self, counts: Sequence[int], displs: Sequence[int]) -> list[tuple[int, int]]:
         """This rank's region of a bucket cut by ``counts``/``displs`` (per
