@@ -161,10 +161,11 @@ def _communicators() -> dict[str, MPI.Intracomm]:
     return _COMMS
 
 
-@pytest.fixture(params=["world", "self", "split", "reversed"])
+@pytest.fixture(params=RUN_COMMS)
 def comm(request: pytest.FixtureRequest) -> MPI.Intracomm:
-    """A communicator to run a collective test on (see module docstring): the same
-    on every rank, and skipped alike on every rank where it repeats another."""
+    """A communicator to run a collective test on (see module docstring), the same on
+    every rank; one a test names (``indirect``) that repeats another in this world is
+    skipped alike on every rank."""
     if request.param not in RUN_COMMS:
         pytest.skip("the same as another communicator in this world (helpers.RUN_COMMS)")
     return _communicators()[request.param]

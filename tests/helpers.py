@@ -122,10 +122,10 @@ F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 RTOL = {F32: 1e-6, F64: 1e-12, np.dtype(np.uint8): 0.0}
 
 
-COMMS = ["world", "self", "split", "reversed"]  # the ``comm`` fixture's communicators
-#: Those of :data:`COMMS` that differ in this world, the ones the fixture runs
-#: (tests/conftest.py): in a world of one all four are that one rank; under mpiexec
-#: "split" holds the last rank alone inside a larger world, what "self" would check.
+#: The ``comm`` fixture's communicators (tests/conftest.py), those of "world", "self",
+#: "split" and "reversed" that differ in this world: in a world of one all four are
+#: that one rank; under mpiexec "split" holds the last rank alone inside a larger
+#: world, what "self" would check.
 RUN_COMMS = ["world"] if WORLD.Get_size() == 1 else ["world", "split", "reversed"]
 
 
