@@ -360,6 +360,50 @@ def test_sum_parts_clear_leaves_the_parts_zero(variant, kernel, dtype, ranks):
             assert [(b[0], b[-1]) for b in backing] == edges, (n, into, add)
 
 
+def _aligned(n: int, dtype: type, shift: int) -> tuple[np.ndarray, np.ndarray]:
+    """A view of ``n`` elements starting ``shift`` elements past a 64-byte boundary,
+    and the same with 16 guard elements (7.0) on each side."""
+    item = np.dtype(dtype).itemsize
+    backing = np.full(n + 64 // item + 2 * 16 + 1, 7.0, dtype)
+    start = 16 + (-(backing.ctypes.data + 16 * item) % 64) // item + shift
+    return backing[start - 16 : start + n + 16], backing[start : start + n]
+
+
+@variants
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_sum_parts_streamed_is_the_same_sum(variant, dtype, ranks):
+    """``stream`` (non-temporal stores of ``out``'s whole tiles, stages 2-3's private
+    shard): the same sum, statistics and cleared parts as plain stores, for an
+    ``out`` on a 64-byte boundary (streamed) or off it, one of the parts, or added
+    to (stored plainly); nothing outside ``out`` is written."""
+    if adam._kernels is None:
+        pytest.skip("zerompi._kernels is not built")
+    variant = _variant(variant)
+    rng = np.random.default_rng(ranks + 20)
+    for n in LENGTHS:
+        parts = [rng.standard_normal(n).astype(dtype) for _ in range(ranks)]
+        for shift, into, add, clear in [(0, -1, False, False), (0, -1, False, True),
+                                        (1, -1, False, False), (0, -1, True, False),
+                                        (0, 0, False, False)]:  # fmt: skip
+            results = []
+            for stream in (False, True):
+                backing, out = _aligned(n, dtype, shift)
+                out[...] = np.arange(n)
+                mine = [p.copy() for p in parts]
+                if into >= 0:
+                    mine[into] = out
+                    out[...] = parts[into]
+                got = adam.sum_parts_compiled(out, mine, add, True, variant, clear, stream)
+                results.append((backing.copy(), got, [m.copy() for m in mine]))
+            (plain, a, pa), (streamed, b, pb) = results
+            case = (n, shift, into, add, clear)
+            assert np.array_equal(plain, streamed), case
+            assert a == b, case
+            assert all(np.array_equal(x, y) for x, y in zip(pa, pb, strict=True)), case
+            assert (plain[:16] == 7).all() and (plain[-16:] == 7).all(), case
+
+
 @needs_c
 @pytest.mark.parametrize("kernel", ["c", "numpy"])
 def test_sum_parts_statistics_beyond_float64(kernel):
@@ -522,3 +566,18 @@ def test_adafactor_loops_refuse_bad_arrays():
         adam._kernels.af_u(g, np.zeros(3), np.zeros(4, np.float32), 1.0, 0.0)
     with pytest.raises(ValueError, match="u has 8 bytes, param 48"):
         adam._kernels.af_apply(g, np.zeros(2, np.float32), None, 1.0)
+
+
+def test_cache_bytes_reads_the_largest_cache(tmp_path):
+    """The largest of sysfs' cache sizes (``K``, ``M`` suffixes or bytes); 32 MiB where
+    the folder is missing or a size unreadable."""
+    for index, size in enumerate(["48K", "2048K", "32768K", "64"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")
+    assert adam.cache_bytes(str(tmp_path)) == 32 << 20
+    (tmp_path / "index2" / "size").write_text("1M\n")
+    assert adam.cache_bytes(str(tmp_path)) == 2 << 20
+    assert adam.cache_bytes(str(tmp_path / "missing")) == 32 << 20
+    (tmp_path / "index1" / "size").write_text("lots\n")
+    assert adam.cache_bytes(str(tmp_path)) == 32 << 20

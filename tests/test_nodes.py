@@ -266,6 +266,45 @@ def test_a_discarded_hand_over_never_reaches_a_later_step(comm: MPI.Intracomm, s
     assert_all(not problems, "\n".join(problems))
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_streamed_sum_gives_the_same_step(
+    comm: MPI.Intracomm, monkeypatch: pytest.MonkeyPatch, stage: int
+) -> None:
+    """Where the node's reduced shards outgrow the largest cache, stages 2-3's sum
+    writes the private shard with non-temporal stores (:class:`zerompi.nodesum.
+    NodeSum`'s ``stream``; forced here with a cache of 0 bytes): the parameters
+    equal a plainly stored run's bit for bit, over shards on and off a 64-byte
+    boundary, float32 and float64 buckets, clipping included."""
+    import zerompi.adam as adam
+    from zerompi.nodesum import NodeSum
+
+    rng = np.random.default_rng(21)
+    params = {"w": rng.standard_normal((64, 48)).astype(np.float32),
+              "v": rng.standard_normal(1000).astype(np.float32),
+              "d": rng.standard_normal(512)}  # fmt: skip
+    runs, streamed = [], []
+    for cache in (1 << 40, 0):
+        monkeypatch.setattr(adam, "CACHE_BYTES", cache)
+        opt = ZeroOptimizer(params, comm=comm, stage=stage, bucket_elems=2048, lr=0.01,
+                            max_norm=5.0, shared_memory=True)  # fmt: skip
+        sums = {id(b.node_sum): b.node_sum for b in opt.engine.reducer.backends
+                if isinstance(b, NodeReduce) and isinstance(b.node_sum, NodeSum)}  # fmt: skip
+        streamed.append([s.stream for s in sums.values()])
+        grng = np.random.default_rng(5 + comm.rank)
+        for _ in range(3):
+            for name in reversed(list(params)):
+                grad = grng.standard_normal(params[name].shape).astype(params[name].dtype)
+                with opt.gathered(name):
+                    opt.add_gradients({name: grad})
+            opt.step()
+        runs.append(opt.full_params())
+        opt.close()
+    problems = [f"{n} differs" for n in params if not np.array_equal(runs[0][n], runs[1][n])]
+    if any(streamed[0]) or not all(streamed[1]):
+        problems.append(f"stream flags {streamed}: want none, then all")
+    assert_all(not problems, "; ".join(problems))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_results_are_the_same_run_to_run(comm: MPI.Intracomm, stage: int) -> None:
     """At a given layout (ranks, nodes), training twice from the same start gives

@@ -258,6 +258,26 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
             for (Py_ssize_t i = 0; i < n; i++) out[i] = (T)UP(part[i]);                  \
     }
 
+/* A non-temporal store of one vector of VB bytes (VB-aligned), for the within-node
+ * sum's output where it is not one of the parts: the line goes to memory without
+ * being read first (no read for ownership: 4 bytes an element less than a plain
+ * store of a float32 array larger than the cache). NT_FENCE orders those stores
+ * before what follows (the node fence, another rank's read). Plain stores where the
+ * target has no such instruction. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define NT_STORE_16(p, v) _mm_stream_si128((__m128i *)(void *)(p), (__m128i)(v))
+#define NT_STORE_32(p, v) _mm256_stream_si256((__m256i *)(void *)(p), (__m256i)(v))
+#define NT_STORE_64(p, v) _mm512_stream_si512((__m512i *)(void *)(p), (__m512i)(v))
+#define NT_FENCE() _mm_sfence()
+#define NT_ALIGN 1
+#else
+#define NT_STORE_16(p, v) memcpy((p), &(v), 16)
+#define NT_STORE_32(p, v) memcpy((p), &(v), 32)
+#define NT_STORE_64(p, v) memcpy((p), &(v), 64)
+#define NT_FENCE() ((void)0)
+#endif
+
 #define LANES 16
 #define STATS_LOOP(NAME, ATTR, T)                                                     \
     ATTR static void NAME(const T *restrict g, Py_ssize_t n, Py_ssize_t *nonfinite,   \
@@ -351,9 +371,10 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
  * buffer of 512 elements in L1 (the loop before) let compilers vectorize across the
  * parts with gathers and read one part's 2 KiB at a time: 8-9 GB/s on one core at
  * k = 16 parts against 38 GB/s this way, 27 against 47 at k = 2 (AMD EPYC, AVX-512). */
-#define SUM_LOOP(NAME, ATTR, T, VB, NV)                                                  \
+#define SUM_LOOP(NAME, ATTR, T, VB, NV, NT)                                                \
     ATTR static void NAME(T *out, T *const *parts, int k, Py_ssize_t n, int add,         \
-                          int stats, int clear, Py_ssize_t *nonfinite, double *sumsq) {  \
+                          int stats, int clear, int stream, Py_ssize_t *nonfinite,       \
+                          double *sumsq) {                                               \
         typedef T vec __attribute__((vector_size(VB)));                                  \
         enum { W = (int)(VB / sizeof(T)), TILE = NV * W }; /* TILE: a multiple of LANES */ \
         double acc[LANES] = {0.0}, total = 0.0;                                          \
@@ -379,12 +400,19 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
                 }                                                                        \
                 if (clear) memset(pq, 0, TILE * sizeof(T));                              \
             }                                                                            \
-            for (int v = 0; v < NV; v++) memcpy(o + v * W, &s[v], sizeof(vec));          \
-            if (stats)                                                                   \
+            if (stream) /* out is VB-aligned: no read for ownership, past the cache */  \
+                for (int v = 0; v < NV; v++) NT(o + v * W, s[v]);                        \
+            else                                                                         \
+                for (int v = 0; v < NV; v++) memcpy(o + v * W, &s[v], sizeof(vec));      \
+            if (stats) { /* from the registers: a streamed tile is not read back */      \
+                T t[TILE];                                                               \
+                for (int v = 0; v < NV; v++) memcpy(t + v * W, &s[v], sizeof(vec));      \
                 for (int j = 0; j < TILE; j += LANES)                                    \
                     for (int l = 0; l < LANES; l++)                                      \
-                        acc[l] += (double)o[j + l] * (double)o[j + l];                   \
+                        acc[l] += (double)t[j + l] * (double)t[j + l];                   \
+            }                                                                            \
         }                                                                                \
+        if (stream) NT_FENCE();                                                          \
         for (Py_ssize_t j = tiled; j < n; j++) { /* the last partial tile */             \
             T x = add ? out[j] + parts[0][j] : parts[0][j];                              \
             if (clear) parts[0][j] = 0;                                                  \
@@ -524,9 +552,9 @@ typedef void (*af_apply_f32_fn)(float *restrict, const float *restrict, Py_ssize
 typedef void (*af_apply_f64_fn)(double *restrict, const double *restrict, Py_ssize_t, int,
                                 double, double);
 typedef void (*stats_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t *, double *);
-typedef void (*sum_f32_fn)(float *, float *const *, int, Py_ssize_t, int, int, int,
+typedef void (*sum_f32_fn)(float *, float *const *, int, Py_ssize_t, int, int, int, int,
                            Py_ssize_t *, double *);
-typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int, int,
+typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int, int, int,
                            Py_ssize_t *, double *);
 
 /* One set of loops per variant (ATTR: its target attribute). */
@@ -555,8 +583,8 @@ typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int,
     AF_U_LOOP(af_u_double_##SUFFIX, ATTR, double, sqrt)                       \
     AF_APPLY_LOOP(af_apply_float_##SUFFIX, ATTR, float)                       \
     AF_APPLY_LOOP(af_apply_double_##SUFFIX, ATTR, double)                     \
-    SUM_LOOP(sum_float_##SUFFIX, ATTR, float, VB, NV)                           \
-    SUM_LOOP(sum_double_##SUFFIX, ATTR, double, VB, NV)                           \
+    SUM_LOOP(sum_float_##SUFFIX, ATTR, float, VB, NV, NT_STORE_##VB)            \
+    SUM_LOOP(sum_double_##SUFFIX, ATTR, double, VB, NV, NT_STORE_##VB)          \
     ADAM8_LOOP(adam8_float_##SUFFIX, ATTR)
 
 #ifdef HAVE_AVX512F
@@ -1265,19 +1293,23 @@ PyDoc_STRVAR(sum_parts_doc,
 "float32/float64 arrays of one dtype and length (out may be one of the parts). With\n"
 "stats, also what grad_stats(out) returns afterwards, from the same pass. With\n"
 "clear, every part is set to zero as it is read (parts writable; out, written\n"
-"last, ends with the sum even where it is one of the parts).");
+"last, ends with the sum even where it is one of the parts). With stream, out's\n"
+"whole tiles are written with non-temporal stores (no read for ownership, past the\n"
+"cache) where add is false, out is none of the parts and 64-byte aligned; the same\n"
+"values either way.");
 
 #define MAX_PARTS 256
 
 static PyObject *
 sum_parts(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"out", "parts", "add", "stats", "clear", "variant", NULL};
+    static char *kwlist[] = {"out", "parts", "add", "stats", "clear", "stream", "variant",
+                             NULL};
     PyObject *out_obj, *parts_obj, *result = NULL;
-    int add, stats, clear = 0;
+    int add, stats, clear = 0, stream = 0;
     const char *variant_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOpp|$pz", kwlist, &out_obj, &parts_obj,
-                                     &add, &stats, &clear, &variant_name))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOpp|$ppz", kwlist, &out_obj, &parts_obj,
+                                     &add, &stats, &clear, &stream, &variant_name))
         return NULL;
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
@@ -1316,13 +1348,21 @@ sum_parts(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     Py_ssize_t bad = 0;
     double total = 0.0;
+    /* streamed only where out is written and never read: not added to, not a part,
+     * and aligned for every variant's vectors */
+#ifdef NT_ALIGN
+    stream = stream && !add && ((uintptr_t)out.buf % 64) == 0;
+    for (Py_ssize_t q = 0; stream && q < k; q++) stream = ptrs[q] != out.buf;
+#else
+    stream = 0;
+#endif
     Py_BEGIN_ALLOW_THREADS
     if (kind == 'f')
         sum_float_v[variant](out.buf, (float *const *)ptrs, (int)k, n, add, stats, clear,
-                             &bad, &total);
+                             stream, &bad, &total);
     else
         sum_double_v[variant](out.buf, (double *const *)ptrs, (int)k, n, add, stats, clear,
-                              &bad, &total);
+                              stream, &bad, &total);
     Py_END_ALLOW_THREADS
     if (stats)
         result = Py_BuildValue("(nd)", bad, total);

@@ -91,6 +91,29 @@ VARIANT: str | None = _choose_variant(os.environ.get("ZEROMPI_KERNEL_VARIANT", "
 BLOCK = 1 << 15
 
 
+def cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The largest cache of CPU 0 in bytes, from Linux's sysfs (its ``index*/size``,
+    ``"32768K"``); 32 MiB where it cannot be read (another OS, a container hiding
+    it). What decides whether an array written now is still cached when read again
+    after a pass over the others (:class:`zerompi.nodesum.NodeSum`)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    largest = 0
+    try:
+        for entry in os.listdir(root):
+            if entry.startswith("index"):
+                with open(os.path.join(root, entry, "size")) as f:
+                    text = f.read().strip()
+                largest = max(largest, int(text[:-1]) * units[text[-1]] if text[-1] in units
+                              else int(text))  # fmt: skip
+    except (OSError, ValueError):
+        largest = 0
+    return largest or 32 << 20
+
+
+#: This machine's largest cache (:func:`cache_bytes`).
+CACHE_BYTES = cache_bytes()
+
+
 def finite_real(
     name: str, value: object, *, positive: bool = False, kind: str = "a real number"
 ) -> float:
@@ -369,12 +392,16 @@ def sum_parts(
 
 def sum_parts_compiled(
     out: np.ndarray, parts: Sequence[np.ndarray], add: bool, stats: bool,
-    variant: str | None = None, clear: bool = False,
+    variant: str | None = None, clear: bool = False, stream: bool = False,
 ) -> tuple[int, float] | None:  # fmt: skip
     """:func:`sum_parts` by the C kernel alone (which must be built), without the
     checks: for a caller whose arrays are contiguous and of ``out``'s float dtype by
-    construction (the reduction within a node, once per bucket and micro-batch)."""
-    result = _kernels.sum_parts(out, parts, add, stats, clear=clear, variant=variant or VARIANT)
+    construction (the reduction within a node, once per bucket and micro-batch).
+    ``stream`` writes ``out`` past the cache where the kernel can (not added to, none
+    of the parts, aligned): the same values, without reading ``out`` first."""
+    result = _kernels.sum_parts(
+        out, parts, add, stats, clear=clear, stream=stream, variant=variant or VARIANT
+    )
     if result is None or result[0] or math.isfinite(result[1]):
         return result
     # finite float64 squares beyond float64's range: grad_stats rescales

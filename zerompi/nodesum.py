@@ -72,6 +72,13 @@ class NodeSum:
         #: (same dtype, contiguous slices): one call per bucket, no checks.
         self.compiled = {d: adam.KERNEL == "c" and s.local.dtype == d
                          for d, s in segments.items()}  # fmt: skip
+        #: Whether the compiled sum writes a private ``out`` past the cache (no read
+        #: for ownership: 4 of a float32 element's 16 bytes at two ranks): where the
+        #: node's reduced shards together outgrow the largest cache, so that they
+        #: would not be cached anyway when the update reads them after the last bucket.
+        pieces = zip(layout.buckets, self.regions, strict=True)
+        held = sum((hi - lo) * b.dtype.itemsize for b, region in pieces for lo, hi in region)
+        self.stream = held * nodes.node.size > adam.CACHE_BYTES
 
     def __call__(
         self, index: int, base: int, out: np.ndarray, add: bool, fence: bool, clear: bool = False
@@ -89,12 +96,15 @@ class NodeSum:
         comm.record_shared("reduce_scatter", index, bucket.size)
         if fence:
             self.node.fence()  # every rank's bucket is written
-        total = sum_parts_compiled if self.compiled[bucket.dtype] else sum_parts
         stats: Stats = None  # on one node the region is one piece: the own shard
         at = 0
         for lo, hi in self.regions[index]:
             parts = [peer[base + lo : base + hi] for peer in segment.peers]
-            stats = total(out[at : at + hi - lo], parts, add, self.final, None, clear)
+            if self.compiled[bucket.dtype]:
+                stats = sum_parts_compiled(out[at : at + hi - lo], parts, add, self.final,
+                                           None, clear, self.stream)  # fmt: skip
+            else:
+                stats = sum_parts(out[at : at + hi - lo], parts, add, self.final, None, clear)
             at += hi - lo
         comm.count_reduce_scatter(bucket.size, bucket.counts[comm.rank], segment.local.itemsize)
         return stats
