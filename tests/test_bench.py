@@ -57,7 +57,7 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
         assert row["floor_ms"] > 0 and row["fused_floor_ms"] > 0
         assert row["step_per_floor"] == row["step_ms"] / row["floor_ms"]
         assert row["floor_bytes_per_elem"] == floor_bytes(row)
-        assert set(row["floor_bytes_per_elem"]) == {"reduce", "stats", "adam", "gather"}
+        assert set(row["floor_bytes_per_elem"]) == {"reduce", "stats", "adam", "zero", "gather"}
         # --paired-floor: every timed step over the floor at its own probe's bandwidth
         assert len(row["paired"]) == 2 and all(s > 0 and g > 0 for s, g in row["paired"])
         nbytes = sum(row["floor_bytes_per_elem"].values()) * row["adam_elems"] * 2
@@ -65,11 +65,11 @@ def test_tiny_bench_writes_one_row_per_stage_and_size(tmp_path: Path) -> None:
         assert row["step_per_floor_paired"] == pytest.approx((each[0] + each[1]) / 2)
         assert row["stream_gbps_steps"] > 0
     assert {r["stage"]: sum(r["floor_bytes_per_elem"].values()) for r in rows} == {
-        0: 44, 1: 52, 2: 52, 3: 44,
+        0: 48, 1: 60, 2: 52, 3: 44,  # stage 0 zeroes its buffer, 1 every rank's
     }  # fmt: skip
     assert "step/floor" in proc.stdout
     assert "paired floor, stage 2, 1,000 params: each step over the floor" in proc.stdout
-    assert "reduce 12 + stats 4 + adam 28 + gather 8 = 52" in proc.stdout
+    assert "reduce 12 + stats 4 + adam 28 + zero 0 + gather 8 = 52" in proc.stdout
     # The many-tensor row: one per stage, with the per-tensor figures.
     many = results["many_tensors"]
     assert [r["stage"] for r in many] == [0, 1, 2, 3]
@@ -138,7 +138,7 @@ def test_mixed_precision_rows_sit_next_to_the_float32_ones(tmp_path: Path) -> No
     # (none with one node-shared copy of the parameters, the default at W > 1).
     gather = 0 if mixed[2]["node_shared"] else 4
     assert mixed[2]["floor_bytes_per_elem"] == {"reduce": 8, "stats": 4, "adam": 30,
-                                                "gather": gather}  # fmt: skip
+                                                "zero": 0, "gather": gather}  # fmt: skip
     assert all(r["step_per_floor"] == r["step_ms"] / r["floor_ms"] for r in rows)
     assert "mixed precision" in proc.stdout and "bfloat16/bfloat16" in proc.stdout
 

@@ -39,16 +39,16 @@ def row(stage: int = 2, world: int = 2, **fields: Any) -> dict[str, Any]:
 
 
 def test_stage_2_at_two_ranks_in_float32_is_52_bytes() -> None:
-    assert floor_bytes(row(2)) == {"reduce": 12, "stats": 4, "adam": 28, "gather": 8}
+    assert floor_bytes(row(2)) == {"reduce": 12, "stats": 4, "adam": 28, "zero": 0, "gather": 8}
     assert fused_floor_bytes(row(2)) == 32  # 2*4 read + 6*4 param, m, v
 
 
 @pytest.mark.parametrize(
     ("stage", "expected"),
     [
-        (0, {"reduce": 12, "stats": 4, "adam": 28, "gather": 0}),  # 2r + s, no gather
-        (1, {"reduce": 12, "stats": 4, "adam": 28, "gather": 8}),
-        (3, {"reduce": 12, "stats": 4, "adam": 28, "gather": 0}),  # gathers on use
+        (0, {"reduce": 12, "stats": 4, "adam": 28, "zero": 4, "gather": 0}),  # 2r + s
+        (1, {"reduce": 12, "stats": 4, "adam": 28, "zero": 8, "gather": 8}),
+        (3, {"reduce": 12, "stats": 4, "adam": 28, "zero": 0, "gather": 0}),  # on use
     ],
 )
 def test_each_stage_at_two_ranks(stage: int, expected: dict[str, int]) -> None:
@@ -58,50 +58,68 @@ def test_each_stage_at_two_ranks(stage: int, expected: dict[str, int]) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_node_shared_copy_removes_the_gather(stage: int) -> None:
     shared = floor_bytes(row(stage, node_shared=True))
-    assert shared == {"reduce": 12, "stats": 4, "adam": 28, "gather": 0}
+    assert shared == {"reduce": 12, "stats": 4, "adam": 28, "zero": 8 * (stage == 1),
+                      "gather": 0}  # fmt: skip
     assert floor_bytes(row(stage, node_shared=False))["gather"] == 8
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_statistics_from_the_reduction_pass_cost_no_bytes(stage: int) -> None:
     fused = floor_bytes(row(stage, node_shared=True, stats_fused=True))
-    assert fused == {"reduce": 12, "stats": 0, "adam": 28, "gather": 0}
+    assert fused == {"reduce": 12, "stats": 0, "adam": 28, "zero": 8 * (stage == 1),
+                     "gather": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_zeroing_follows_the_hand_over(world: int) -> None:
+    """Stages 2-3 zero nothing through ``opt.add_gradients`` (a hand-over overwrites)
+    and every rank's staging through blocks (the sum clears what it reads), W*r;
+    stage 1 always W*r, stage 0 its own buffer, r, in the gradients' dtype."""
+    for stage in (2, 3):
+        assert floor_bytes(row(stage, world, hand_over="add"))["zero"] == 0
+        assert floor_bytes(row(stage, world, hand_over="blocks"))["zero"] == 4 * world
+    low = {"reduce_dtype": "bfloat16"}
+    assert floor_bytes(row(1, world, **low))["zero"] == 2 * world
+    assert floor_bytes(row(0, world, **low))["zero"] == 2
 
 
 def test_bfloat16_params_and_gradients() -> None:
     """r = p = 2: the reduction reads 2-byte parts, Adam also writes the 2-byte copy,
     the gather copies 2-byte elements; the master stays 4 bytes."""
     mixed = row(2, param_dtype="bfloat16", reduce_dtype="bfloat16")
-    assert floor_bytes(mixed) == {"reduce": 8, "stats": 4, "adam": 30, "gather": 4}
+    assert floor_bytes(mixed) == {"reduce": 8, "stats": 4, "adam": 30, "zero": 0, "gather": 4}
     assert fused_floor_bytes(mixed) == 2 * 2 + 6 * 4 + 2
     # One at a time: each changes only its own terms.
     assert floor_bytes(row(2, reduce_dtype="bfloat16")) == {
-        "reduce": 8, "stats": 4, "adam": 28, "gather": 8,
+        "reduce": 8, "stats": 4, "adam": 28, "zero": 0, "gather": 8,
     }  # fmt: skip
     assert floor_bytes(row(2, param_dtype="float16")) == {
-        "reduce": 12, "stats": 4, "adam": 30, "gather": 4,
+        "reduce": 12, "stats": 4, "adam": 30, "zero": 0, "gather": 4,
     }  # fmt: skip
     # Stage 0 counts 2r + s whatever W, and never gathers.
     assert floor_bytes(row(0, param_dtype="bfloat16", reduce_dtype="bfloat16")) == {
-        "reduce": 8, "stats": 4, "adam": 30, "gather": 0,
+        "reduce": 8, "stats": 4, "adam": 30, "zero": 2, "gather": 0,
     }  # fmt: skip
 
 
 def test_float64_master() -> None:
     wide = row(2, dtype="float64", param_dtype="float64", reduce_dtype="float64")
-    assert floor_bytes(wide) == {"reduce": 24, "stats": 8, "adam": 56, "gather": 16}
+    assert floor_bytes(wide) == {"reduce": 24, "stats": 8, "adam": 56, "zero": 0, "gather": 16}
 
 
 def test_one_rank() -> None:
     """W = 1: the reduction reads one part, there is nothing to gather."""
-    assert floor_bytes(row(2, world=1)) == {"reduce": 8, "stats": 4, "adam": 28, "gather": 0}
+    assert floor_bytes(row(2, world=1)) == {"reduce": 8, "stats": 4, "adam": 28, "zero": 0,
+                                            "gather": 0}  # fmt: skip
     assert floor_bytes(row(1, world=1))["gather"] == 0
     assert floor_bytes(row(0, world=1))["reduce"] == 12  # stage 0: 2r + s at every W
     assert fused_floor_bytes(row(2, world=1)) == 28
 
 
 def test_four_ranks() -> None:
-    assert floor_bytes(row(2, world=4)) == {"reduce": 20, "stats": 4, "adam": 28, "gather": 24}
+    assert floor_bytes(row(2, world=4)) == {"reduce": 20, "stats": 4, "adam": 28, "zero": 0,
+                                            "gather": 24}  # fmt: skip
+    assert floor_bytes(row(1, world=4))["zero"] == 16  # every rank's full buffer, once
     assert floor_bytes(row(0, world=4))["reduce"] == 12
     assert fused_floor_bytes(row(2, world=4)) == 40
 
@@ -128,7 +146,7 @@ def test_the_table_states_the_bytes_and_tolerates_old_results() -> None:
     r = row(2)
     r.update(floor_fields(r, 10.0))
     [line] = floor_bytes_lines([r])
-    assert "stage 2" in line and "reduce 12 + stats 4 + adam 28 + gather 8 = 52" in line
+    assert "stage 2" in line and "reduce 12 + stats 4 + adam 28 + zero 0 + gather 8 = 52" in line
     assert "fused design 32" in line
     assert _floor_cells(r).split()[1] == f"{r['step_per_floor']:.2f}"
     # A JSON written before the floor existed: no header, no bytes, '-' cells.

@@ -165,7 +165,8 @@ def pieces(engine: Engine, divisor: float) -> list[Piece]:
 
 
 def end_step(engine: Engine) -> None:
-    engine.reducer.consumed()
+    with engine.timings.reduce:  # the gradient buffers left zero: part of the reduction
+        engine.reducer.consumed()
     engine.micro_batches = 0
     engine.comm.step = engine.step_count + 1
     engine.snapshots.after_step(engine)

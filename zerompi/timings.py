@@ -33,8 +33,9 @@ class Phase:
 
 
 class Timings:
-    """The step's phases: :attr:`reduce` (reductions and hand-overs), :attr:`adam`
-    and :attr:`gather` (the gathers, of a layer or after Adam)."""
+    """The step's phases: :attr:`reduce` (reductions and hand-overs, and the zeroing
+    of the gradient buffers after the update), :attr:`adam` and :attr:`gather` (the
+    gathers, of a layer or after Adam)."""
 
     __slots__ = ("adam", "gather", "reduce")
 

@@ -117,6 +117,14 @@ def floor_bytes(row: Mapping[str, Any]) -> dict[str, int]:
       arrays a rule must read again: 6 for Adafactor, which reads the gradient three
       times and the parameters twice), plus ``p`` when the update also writes the
       16-bit copy of the parameters (``p != s``).
+    * ``zero``: the gradient buffers left zero for the next step's gradients (the
+      gradients API adds into them), ``r`` per element zeroed: stage 0 zeroes its
+      whole buffer after the update, ``r``; stage 1 every element of every rank's
+      full buffer once (the within-node sum clears the other ranks' parts as it
+      reads them and the rank its own shard after the update, or the whole buffer
+      after an MPI reduction), ``W*r``; stages 2-3 through ``opt.gradients``
+      blocks, whose sum clears the staging it reads, ``W*r``, and nothing through
+      ``opt.add_gradients`` (``hand_over`` ``"add"``: a hand-over overwrites).
     * ``gather``: stages 1-2 copy the other ranks' parts into this rank's full copy,
       ``(W-1) * (p + p)`` (read and write); 0 with ``node_shared`` (one copy per
       node, Adam writes it in place), and 0 at stage 0 (no gather) and stage 3
@@ -127,10 +135,12 @@ def floor_bytes(row: Mapping[str, Any]) -> dict[str, int]:
     stage = int(row["stage"])
     w, s, r, p = _sizes(row)
     gathers = stage in (1, 2) and not row.get("node_shared", False)
+    zeroed = {0: r, 1: w * r}.get(stage, 0 if row.get("hand_over", "add") == "add" else w * r)
     return {
         "reduce": 2 * r + s if stage == 0 else w * r + s,
         "stats": 0 if row.get("stats_fused", False) else s,
         "adam": row.get("update_arrays", ADAM_ARRAYS) * s + (p if p != s else 0),
+        "zero": zeroed,
         "gather": (w - 1) * 2 * p if gathers else 0,
     }
 
