@@ -540,6 +540,17 @@ def test_adafactor_loops_match_numpy_bitwise(variant, dtype, rows, w):
         want_sums = af.rect_sums(g, rows, "numpy")
         for a, b in zip(got_sums, want_sums, strict=True):
             assert a.tobytes() == b.tobytes()
+        # dividing in the same pass: the quotients numpy's divide gives, and their sums
+        for divisor in (2.0, 3.0, 6.0):
+            got_g, want_g = g.copy(), g.copy()
+            got_sums = af.rect_sums(got_g, rows, "c", chosen, divisor)
+            want_sums = af.rect_sums(want_g, rows, "numpy", None, divisor)
+            assert got_g.tobytes() == (g / divisor).astype(dtype).tobytes() == want_g.tobytes()
+            for a, b in zip(got_sums, want_sums, strict=True):
+                assert a.tobytes() == b.tobytes(), divisor
+            divided = g / divisor
+            for a, b in zip(got_sums, af.rect_sums(divided, rows, "numpy"), strict=True):
+                assert a.tobytes() == b.tobytes(), divisor
         denom, floor = dtype(0.37), dtype(1e-30)
         got_u, want_u = g.copy(), g.copy()
         af.rect_u(got_u, r, c, denom, floor, "c", chosen)

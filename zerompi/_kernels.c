@@ -308,12 +308,16 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
  * (a NaN stays NaN, as numpy's maximum keeps it).
  * AF_APPLY: p = p * decay (when `decays`), then p = p + u * scale, in T. */
 #define AF_SUMS_LOOP(NAME, ATTR, T)                                                      \
-    ATTR static void NAME(const T *restrict g, Py_ssize_t rows, Py_ssize_t w,             \
-                          double *restrict rowsum, double *restrict colsum) {            \
+    ATTR static void NAME(T *restrict g, Py_ssize_t rows, Py_ssize_t w,                   \
+                          double *restrict rowsum, double *restrict colsum, int divides, \
+                          double div_) {                                                 \
         const Py_ssize_t whole = w - w % LANES;                                          \
+        const T div = (T)div_;                                                           \
         for (Py_ssize_t j = 0; j < w; j++) colsum[j] = 0.0;                              \
         for (Py_ssize_t i = 0; i < rows; i++) {                                          \
-            const T *restrict r = g + i * w;                                             \
+            T *restrict r = g + i * w;                                                   \
+            if (divides) /* the row is then in L1 for its sums: one pass over memory */  \
+                for (Py_ssize_t j = 0; j < w; j++) r[j] = r[j] / div;                    \
             double acc[LANES] = {0.0}, total = 0.0;                                      \
             for (Py_ssize_t j = 0; j < whole; j += LANES)                                \
                 for (int l = 0; l < LANES; l++) {                                        \
@@ -539,10 +543,10 @@ typedef void (*acc_f64_fn)(double *restrict, const uint16_t *restrict, Py_ssize_
 typedef void (*round_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*round_f64_fn)(const double *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*stats_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t *, double *);
-typedef void (*af_sums_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t,
-                               double *restrict, double *restrict);
-typedef void (*af_sums_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t,
-                               double *restrict, double *restrict);
+typedef void (*af_sums_f32_fn)(float *restrict, Py_ssize_t, Py_ssize_t,
+                               double *restrict, double *restrict, int, double);
+typedef void (*af_sums_f64_fn)(double *restrict, Py_ssize_t, Py_ssize_t,
+                               double *restrict, double *restrict, int, double);
 typedef void (*af_u_f32_fn)(float *restrict, Py_ssize_t, Py_ssize_t, const float *restrict,
                             const float *restrict, double, double);
 typedef void (*af_u_f64_fn)(double *restrict, Py_ssize_t, Py_ssize_t, const double *restrict,
@@ -1142,26 +1146,31 @@ grad_stats(PyObject *self, PyObject *args, PyObject *kwargs)
 }
 
 PyDoc_STRVAR(af_sums_doc,
-"af_sums(g, rows, rowsum, colsum, *, variant=None)\n\n"
+"af_sums(g, rows, rowsum, colsum, *, divisor=None, variant=None)\n\n"
 "Adafactor's statistics of a rectangle: g a contiguous float32/float64 array of\n"
 "rows x w elements (row-major); rowsum (rows) and colsum (w) contiguous float64\n"
 "arrays, overwritten with the float64 sums of the squares of each row (in\n"
-"grad_stats' order) and of each column (row after row).");
+"grad_stats' order) and of each column (row after row). With divisor, g is first\n"
+"divided by it in place, row by row (g / divisor in g's dtype, as numpy divides),\n"
+"and the sums are those of the quotients: one pass over g instead of two.");
 
 static PyObject *
 af_sums(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"g", "rows", "rowsum", "colsum", "variant", NULL};
-    PyObject *objs[3];
+    static char *kwlist[] = {"g", "rows", "rowsum", "colsum", "divisor", "variant", NULL};
+    PyObject *objs[3], *divisor_obj = Py_None;
     Py_ssize_t rows;
     const char *variant_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnOO|$z", kwlist, &objs[0], &rows,
-                                     &objs[1], &objs[2], &variant_name))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnOO|$Oz", kwlist, &objs[0], &rows,
+                                     &objs[1], &objs[2], &divisor_obj, &variant_name))
         return NULL;
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
+    const int divides = divisor_obj != Py_None;
+    const double divisor = divides ? PyFloat_AsDouble(divisor_obj) : 1.0;
+    if (divides && divisor == -1.0 && PyErr_Occurred()) return NULL;
     Py_buffer g, rs, cs;
-    if (get_vector(objs[0], &g, 0, "g") < 0) return NULL;
+    if (get_vector(objs[0], &g, divides, "g") < 0) return NULL;
     const char kind = element_kind(&g);
     const Py_ssize_t n = g.len / (g.itemsize ? g.itemsize : 1);
     if (!kind || rows <= 0 || n % rows) {
@@ -1182,9 +1191,9 @@ af_sums(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     Py_BEGIN_ALLOW_THREADS
     if (kind == 'f')
-        af_sums_float_v[variant](g.buf, rows, w, rs.buf, cs.buf);
+        af_sums_float_v[variant](g.buf, rows, w, rs.buf, cs.buf, divides, divisor);
     else
-        af_sums_double_v[variant](g.buf, rows, w, rs.buf, cs.buf);
+        af_sums_double_v[variant](g.buf, rows, w, rs.buf, cs.buf, divides, divisor);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&g);
     PyBuffer_Release(&rs);

@@ -46,6 +46,17 @@ def chunks(a: int, b: int) -> Iterator[tuple[int, int]]:
         yield max(a, k * CHUNK), min(b, (k + 1) * CHUNK)
 
 
+def gaps(spans: Sequence[tuple[int, int]], n: int) -> Iterator[tuple[int, int]]:
+    """The pieces of ``0 ... n`` outside ``spans`` (disjoint, in increasing order)."""
+    at = 0
+    for lo, hi in spans:
+        if lo > at:
+            yield at, lo
+        at = hi
+    if at < n:
+        yield at, n
+
+
 #: Partial sums a sum of squares keeps (the compiled loop's vector lanes).
 LANES = 16
 
@@ -77,16 +88,20 @@ def sumsq_numpy(x: np.ndarray) -> float:
     return total
 
 
-def rect_sums(g: np.ndarray, rows: int, kernel: str | None = None,
-              variant: str | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def rect_sums(g: np.ndarray, rows: int, kernel: str | None = None, variant: str | None = None,
+              divisor: float | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """The float64 sums of the squares of each row (in :func:`sumsq_numpy`'s order)
-    and of each column (row after row) of a rectangle: ``g`` flat, ``rows`` rows."""
+    and of each column (row after row) of a rectangle: ``g`` flat, ``rows`` rows.
+    With ``divisor``, ``g`` is divided by it in place first (in ``g``'s dtype) and
+    the sums are the quotients': the compiled loop does both in one pass."""
     w = g.shape[0] // rows
     chosen = compiled(kernel, variant, g)
     if chosen is not None:
         row_sums, col_sums = np.empty(rows), np.empty(w)
-        _kernels().af_sums(g, rows, row_sums, col_sums, variant=chosen or None)
+        _kernels().af_sums(g, rows, row_sums, col_sums, divisor=divisor, variant=chosen or None)
         return row_sums, col_sums
+    if divisor is not None:
+        np.divide(g, divisor, out=g)
     sq = g.astype(np.float64).reshape(rows, w)
     np.multiply(sq, sq, out=sq)
     whole = w - w % LANES
@@ -252,12 +267,14 @@ class Adafactor(Rule):
         kernel, variant = self.kernel, self.variant
         tensors: Tensors = {}
         for piece in pieces:
-            np.divide(piece.grad, piece.divisor, out=piece.grad)
             tensors.update(_tensors(piece, params))
-        # 1. rows' and columns' sums of G^2 (by the rank counting each element), sum(X^2)
+        # 1. rows' and columns' sums of G^2 (by the rank counting each element), sum(X^2);
+        # the gradient divided by the divisor, the matrices' counted elements in the
+        # same pass as their sums, the rest of what the rank holds after
         layout = _Stats(params)
         first = np.zeros(layout.size, np.float64)
         for piece in pieces:
+            divided = []  # the piece's (start, stop) the sums divided
             for t, lo, hi in _counted(piece, tensors):
                 for a, b in chunks(lo - t.offset, hi - t.offset):
                     at = t.offset + a - piece.offset
@@ -269,9 +286,13 @@ class Adafactor(Rule):
                     g = piece.grad[lo - piece.offset : hi - piece.offset]
                     for k, i0, i1, j0, j1, at in rects(lo - t.offset, hi - t.offset, n, m):
                         part = g[at : at + (i1 - i0) * (j1 - j0)]  # (a rectangle)
-                        row_sums, col_sums = rect_sums(part, i1 - i0, kernel, variant)
+                        row_sums, col_sums = rect_sums(part, i1 - i0, kernel, variant,
+                                                       piece.divisor)  # fmt: skip
                         first[rows + k * n + i0 : rows + k * n + i1] += row_sums
                         first[cols + k * m + j0 : cols + k * m + j1] += col_sums
+                    divided.append((lo - piece.offset, hi - piece.offset))
+            for a, b in gaps(sorted(divided), piece.grad.shape[0]):
+                np.divide(piece.grad[a:b], piece.divisor, out=piece.grad[a:b])
         reduce(first)
         # 2. the states of the rows, columns (every matrix this rank holds) and vectors
         for t in tensors.values():
