@@ -592,3 +592,24 @@ def test_cache_bytes_reads_the_largest_cache(tmp_path):
     assert adam.cache_bytes(str(tmp_path / "missing")) == 32 << 20
     (tmp_path / "index1" / "size").write_text("lots\n")
     assert adam.cache_bytes(str(tmp_path)) == 32 << 20
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.uint16, np.uint8])
+def test_zero_sets_every_byte_and_nothing_else(dtype):
+    """``zero`` (the gradient buffers after a step), streamed or not: every element of
+    the view 0 (+0.0 for floats), whatever its length and alignment, the guard
+    elements around it untouched; :func:`zerompi.adam.zero` picks the stream by size."""
+    for n in [0, 1, 7, 31, 32, 33, 64, 1000, (1 << 15) + 5]:
+        for shift in (0, 1, 3, 8):
+            for stream in (False, True):
+                backing = np.full(n + 2 * 16 + shift, 7, dtype)
+                view = backing[16 + shift : 16 + shift + n]
+                adam._kernels.zero(view, stream=stream)
+                assert not view.any() and not np.signbit(view).any(), (n, shift, stream)
+                assert (backing[: 16 + shift] == 7).all() and (backing[16 + shift + n :] == 7).all()
+    big = np.ones(adam.ZERO_STREAM_BYTES // np.dtype(dtype).itemsize + 3, dtype)
+    adam.zero(big[1:])
+    assert big[0] == 1 and not big[1:].any()
+    with pytest.raises(TypeError, match="writable contiguous"):
+        adam._kernels.zero(np.zeros(8, dtype)[::2])

@@ -1295,6 +1295,54 @@ af_apply(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(zero_doc,
+"zero(a, *, stream=False)\n\n"
+"Every byte of a writable C-contiguous buffer set to 0 (0.0 in every float format).\n"
+"With stream, its 64-byte lines are written with non-temporal stores (past the\n"
+"cache, no read for ownership): for a buffer that is not read again before it\n"
+"would leave the cache anyway (the gradient buffers after a step); memset else.");
+
+static PyObject *
+zero(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"a", "stream", NULL};
+    PyObject *obj;
+    int stream = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|$p", kwlist, &obj, &stream))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyErr_SetString(PyExc_TypeError, "a must be a writable contiguous array");
+        return NULL;
+    }
+    char *p = view.buf;
+    Py_ssize_t n = view.len;
+    Py_BEGIN_ALLOW_THREADS
+#ifdef NT_ALIGN
+    if (stream && n >= 128) {
+        const Py_ssize_t head = (Py_ssize_t)((64 - (uintptr_t)p % 64) % 64);
+        memset(p, 0, (size_t)head);
+        p += head;
+        n -= head;
+        const __m128i z = _mm_setzero_si128();
+        const Py_ssize_t body = n - n % 64;
+        for (Py_ssize_t i = 0; i < body; i += 64) {
+            _mm_stream_si128((__m128i *)(void *)(p + i), z);
+            _mm_stream_si128((__m128i *)(void *)(p + i + 16), z);
+            _mm_stream_si128((__m128i *)(void *)(p + i + 32), z);
+            _mm_stream_si128((__m128i *)(void *)(p + i + 48), z);
+        }
+        NT_FENCE();
+        p += body;
+        n -= body;
+    }
+#endif
+    memset(p, 0, (size_t)n);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(sum_parts_doc,
 "sum_parts(out, parts, add, stats, *, clear=False, variant=None) -> (nonfinite, sumsq) or None\n\n"
 "out[i] = parts[0][i] + parts[1][i] + ... (add false) or out[i] + parts[0][i] + ...\n"
@@ -1508,6 +1556,7 @@ static PyMethodDef methods[] = {
      accumulate_doc},
     {"sum_parts", (PyCFunction)(void (*)(void))sum_parts, METH_VARARGS | METH_KEYWORDS,
      sum_parts_doc},
+    {"zero", (PyCFunction)(void (*)(void))zero, METH_VARARGS | METH_KEYWORDS, zero_doc},
     {"adam8", (PyCFunction)(void (*)(void))adam8, METH_VARARGS | METH_KEYWORDS, adam8_doc},
     {"af_sums", (PyCFunction)(void (*)(void))af_sums, METH_VARARGS | METH_KEYWORDS, af_sums_doc},
     {"af_u", (PyCFunction)(void (*)(void))af_u, METH_VARARGS | METH_KEYWORDS, af_u_doc},

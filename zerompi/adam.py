@@ -114,6 +114,22 @@ def cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
 CACHE_BYTES = cache_bytes()
 
 
+#: Bytes from which :func:`zero` writes past the cache.
+ZERO_STREAM_BYTES = 1 << 20
+
+
+def zero(a: np.ndarray) -> None:
+    """``a`` (contiguous) set to zero where it is not read again before the next
+    backward writes it (the gradient buffers after a step): the compiled kernel's
+    non-temporal stores from :data:`ZERO_STREAM_BYTES` up (no read for ownership;
+    ``scripts/zero_ab.py`` times it against ``fill``), its ``memset`` below; numpy's
+    ``fill`` without the kernel."""
+    if KERNEL == "c" and a.flags.c_contiguous:
+        _kernels.zero(a, stream=a.nbytes >= ZERO_STREAM_BYTES)
+    else:
+        a.fill(0)
+
+
 def finite_real(
     name: str, value: object, *, positive: bool = False, kind: str = "a real number"
 ) -> float:

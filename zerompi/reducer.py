@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from .adam import zero
 from .arrays import FlatArrays
 from .handover import Block, Found, Names, single_bucket
 from .mpi.collectives import Comm
@@ -196,7 +197,7 @@ class FullGradients:
         self.micro = 0
         self.fused = [None] * len(self.parts)
         for buf in self.to_zero:
-            buf.fill(0)
+            zero(buf)
 
     def discard(self) -> None:
         self.micro = 0
@@ -437,7 +438,7 @@ class StagedGradients:
                     self._complete(len(self.inflight))
             self._complete(len(self.inflight))
             for grad in self.full.values():
-                grad.fill(0)
+                zero(grad)
 
     def _agree(self) -> None:
         """Collective, once (the first ``end_micro_batch``, after every sum of it):
