@@ -223,3 +223,22 @@ def test_a_per_block_state_is_counted_as_its_slots_add_up(world: int, bucket_ele
                     assert blockwise.count(layout, stage, dtype, spans) == sum(
                         s.count for s in slots
                     ), (stage, block, r, dtype)
+
+
+@given(st.lists(st.integers(0, 40), max_size=12), st.integers(0, 40), st.integers(0, 40))
+def test_gaps_are_the_rest_of_the_range(cuts: list[int], lo: int, hi: int) -> None:
+    """:func:`zerompi.partition.gaps`: the pieces of ``[lo, hi)`` outside sorted
+    disjoint spans (some reaching beyond it, some empty ranges included) are
+    disjoint, in order, non-empty, and cover exactly the elements no span holds (an
+    empty span may split a piece in two)."""
+    from zerompi.partition import gaps
+
+    edges = sorted(cuts)
+    spans = [(edges[i], edges[i + 1]) for i in range(0, len(edges) - 1, 2)]
+    held = {x for a, b in spans for x in range(a, b)}
+    pieces = list(gaps(spans, lo, hi))
+    assert all(a < b for a, b in pieces)
+    assert all(b1 <= a2 for (_, b1), (a2, _) in itertools.pairwise(pieces))
+    assert [x for a, b in pieces for x in range(a, b)] == [
+        x for x in range(lo, hi) if x not in held
+    ]

@@ -13,7 +13,7 @@ be built and checked in a single process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -69,6 +69,19 @@ def _shared_counts(total: int, world_size: int) -> tuple[tuple[int, ...], tuple[
     ranks holds their counts once (an estimate at 2048 ranks built them per bucket)."""
     counts, displs = shard_counts(total, world_size)
     return tuple(counts), tuple(displs)
+
+
+def gaps(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> Iterator[tuple[int, int]]:
+    """The pieces of ``[lo, hi)`` outside ``spans`` (sorted, disjoint; they may reach
+    beyond ``[lo, hi)``), in order."""
+    for start, stop in spans:
+        if start >= hi:
+            break
+        if start > lo:
+            yield lo, start
+        lo = max(lo, stop)
+    if lo < hi:
+        yield lo, hi
 
 
 def plan_buckets(sizes: Sequence[int], target: int) -> list[list[int]]:

@@ -30,7 +30,7 @@ from .arrays import FlatArrays
 from .handover import Block, Found, Names, single_bucket
 from .mpi.collectives import Comm
 from .nodesum import Stats
-from .partition import Layout
+from .partition import Layout, gaps
 from .plan import REDUCE_WINDOW, Part
 from .reduction import Backend, InFlight
 from .timings import Phase
@@ -99,14 +99,8 @@ def add_span(spans: list[tuple[int, int]], start: int, stop: int) -> None:
 
 def zero_except(buf: np.ndarray, lo: int, hi: int, known: Sequence[tuple[int, int]]) -> None:
     """Zero ``buf[lo:hi]`` but the sorted disjoint ``known`` spans (zero already)."""
-    for zlo, zhi in known:
-        if zhi <= lo or zlo >= hi:
-            continue
-        if zlo > lo:
-            buf[lo:zlo].fill(0)
-        lo = max(lo, zhi)
-    if lo < hi:
-        buf[lo:hi].fill(0)
+    for a, b in gaps(known, lo, hi):
+        buf[a:b].fill(0)
 
 
 class FullGradients:

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..adam import finite_real
 from ..buffers import StateKind
+from ..partition import gaps
 from .base import Piece, Rule, World, blocks, compiled, write_low
 from .base import kernels as _kernels
 
@@ -44,17 +45,6 @@ def chunks(a: int, b: int) -> Iterator[tuple[int, int]]:
     its multiples of :data:`CHUNK`."""
     for k in range(a // CHUNK, -(-b // CHUNK)):
         yield max(a, k * CHUNK), min(b, (k + 1) * CHUNK)
-
-
-def gaps(spans: Sequence[tuple[int, int]], n: int) -> Iterator[tuple[int, int]]:
-    """The pieces of ``0 ... n`` outside ``spans`` (disjoint, in increasing order)."""
-    at = 0
-    for lo, hi in spans:
-        if lo > at:
-            yield at, lo
-        at = hi
-    if at < n:
-        yield at, n
 
 
 #: Partial sums a sum of squares keeps (the compiled loop's vector lanes).
@@ -291,7 +281,7 @@ class Adafactor(Rule):
                         first[rows + k * n + i0 : rows + k * n + i1] += row_sums
                         first[cols + k * m + j0 : cols + k * m + j1] += col_sums
                     divided.append((lo - piece.offset, hi - piece.offset))
-            for a, b in gaps(sorted(divided), piece.grad.shape[0]):
+            for a, b in gaps(sorted(divided), 0, piece.grad.shape[0]):
                 np.divide(piece.grad[a:b], piece.divisor, out=piece.grad[a:b])
         reduce(first)
         # 2. the states of the rows, columns (every matrix this rank holds) and vectors
