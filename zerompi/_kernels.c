@@ -1326,12 +1326,7 @@ zero(PyObject *self, PyObject *args, PyObject *kwargs)
         n -= head;
         const __m128i z = _mm_setzero_si128();
         const Py_ssize_t body = n - n % 64;
-        for (Py_ssize_t i = 0; i < body; i += 64) {
-            _mm_stream_si128((__m128i *)(void *)(p + i), z);
-            _mm_stream_si128((__m128i *)(void *)(p + i + 16), z);
-            _mm_stream_si128((__m128i *)(void *)(p + i + 32), z);
-            _mm_stream_si128((__m128i *)(void *)(p + i + 48), z);
-        }
+        for (Py_ssize_t i = 0; i < body; i += 16) NT_STORE_16(p + i, z);
         NT_FENCE();
         p += body;
         n -= body;
