@@ -540,22 +540,36 @@ def test_adafactor_loops_match_numpy_bitwise(variant, dtype, rows, w):
         want_sums = af.rect_sums(g, rows, "numpy")
         for a, b in zip(got_sums, want_sums, strict=True):
             assert a.tobytes() == b.tobytes()
-        # dividing in the same pass: the quotients numpy's divide gives, and their sums
-        for divisor in (2.0, 3.0, 6.0):
-            got_g, want_g = g.copy(), g.copy()
-            got_sums = af.rect_sums(got_g, rows, "c", chosen, divisor)
-            want_sums = af.rect_sums(want_g, rows, "numpy", None, divisor)
-            assert got_g.tobytes() == (g / divisor).astype(dtype).tobytes() == want_g.tobytes()
-            for a, b in zip(got_sums, want_sums, strict=True):
-                assert a.tobytes() == b.tobytes(), divisor
-            divided = g / divisor
-            for a, b in zip(got_sums, af.rect_sums(divided, rows, "numpy"), strict=True):
-                assert a.tobytes() == b.tobytes(), divisor
+        # averaging where g is read: the sums of the quotients numpy's divide gives, g
+        # unchanged; U of the quotients. Powers of two multiply by the reciprocal
+        # (2, 4, 0.5), the others divide (3, 6); tiny values make subnormal quotients.
+        tiny = g * dtype(np.finfo(dtype).tiny)
         denom, floor = dtype(0.37), dtype(1e-30)
+        for divisor in (2.0, 3.0, 4.0, 6.0, 0.5):
+            for x in (g, tiny):
+                before = x.copy()
+                got_sums = af.rect_sums(x, rows, "c", chosen, divisor)
+                assert x.tobytes() == before.tobytes(), "af_sums wrote g"
+                want_sums = af.rect_sums(x, rows, "numpy", None, divisor)
+                divided = (x / divisor).astype(dtype)
+                for a, b, d in zip(got_sums, want_sums, af.rect_sums(divided, rows, "numpy"),
+                                   strict=True):  # fmt: skip
+                    assert a.tobytes() == b.tobytes() == d.tobytes(), divisor
+                got_u, want_u, plain = x.copy(), x.copy(), divided.copy()
+                af.rect_u(got_u, r, c, denom, floor, "c", chosen, divisor)
+                af.rect_u(want_u, r, c, denom, floor, "numpy", None, divisor)
+                af.rect_u(plain, r, c, denom, floor, "numpy")
+                assert got_u.tobytes() == want_u.tobytes() == plain.tobytes(), divisor
         got_u, want_u = g.copy(), g.copy()
         af.rect_u(got_u, r, c, denom, floor, "c", chosen)
         af.rect_u(want_u, r, c, denom, floor, "numpy")
         assert got_u.tobytes() == want_u.tobytes()
+        # U is (g / divisor) / sqrt(max((r / denom) c^T, floor)), written out in numpy
+        want = (g / dtype(2.0)).reshape(rows, w) / np.sqrt(np.maximum(np.outer(r / denom, c),
+                                                                      floor))  # fmt: skip
+        got_u = g.copy()
+        af.rect_u(got_u, r, c, denom, floor, "c", chosen, 2.0)
+        assert got_u.tobytes() == want.astype(dtype).reshape(-1).tobytes()
         for decay in (None, dtype(0.999)):
             got_p, want_p = p.copy(), p.copy()
             af.apply(got_p, u, decay, dtype(-0.01), "c", chosen)

@@ -297,58 +297,97 @@ static inline uint16_t f64_to_f16(double x) { return f32_to_f16(f64_to_f32_odd(x
         *sumsq = total;                                                               \
     }
 
+/* The reciprocal of a divisor d that is a power of two, whose every quotient x / d is
+ * then x * (1 / d) exactly (both are the one rounding of the same real number, a
+ * subnormal one too); 0 for any other d (and for a reciprocal out of T's normal
+ * range). A loop bound by its divisions then multiplies instead. */
+static inline float exact_reciprocal_f32(float d)
+{
+    int e;
+    const float m = frexpf(d, &e);
+    return (m == 0.5f && isfinite(d) && e > -125 && e < 127) ? 1.0f / d : 0.0f;
+}
+static inline double exact_reciprocal_f64(double d)
+{
+    int e;
+    const double m = frexp(d, &e);
+    return (m == 0.5 && isfinite(d) && e > -1021 && e < 1023) ? 1.0 / d : 0.0;
+}
+
 /* Adafactor (zerompi/rules/adafactor.py), over one rectangle of a matrix: `rows` rows of
  * `w` elements each, row-major and contiguous (parts of rows of a wider matrix come
- * one row at a time). The numpy functions there compute the same bits:
+ * one row at a time). The numpy functions there compute the same bits. The gradient
+ * is averaged where it is read, never written back averaged: each loop computes
+ * g / div (div 1: g as is) as Q(g), so AF_SUMS only reads g.
  *
- * AF_SUMS: rowsum[i] = the float64 sum of the squares of row i, in STATS_LOOP's
- * order (LANES lanes over the whole groups, the tail, then the lanes), and
- * colsum[j] = the float64 sum of the squares of column j, row after row.
- * AF_U: g[i][j] = g[i][j] / sqrt(max((r[i] * c[j]) / denom, floor)) in place, in T
- * (a NaN stays NaN, as numpy's maximum keeps it).
- * AF_APPLY: p = p * decay (when `decays`), then p = p + u * scale, in T. */
-#define AF_SUMS_LOOP(NAME, ATTR, T)                                                      \
-    ATTR static void NAME(T *restrict g, Py_ssize_t rows, Py_ssize_t w,                   \
-                          double *restrict rowsum, double *restrict colsum, int divides, \
-                          double div_) {                                                 \
+ * AF_SUMS: rowsum[i] = the float64 sum of the squares of row i's quotients, in
+ * STATS_LOOP's order (LANES lanes over the whole groups, the tail, then the lanes),
+ * and colsum[j] = the float64 sum of the squares of column j's, row after row.
+ * AF_U: g[i][j] = (g[i][j] / div) / sqrt(max((r[i] / denom) * c[j], floor)) in
+ * place, in T (a NaN stays NaN, as numpy's maximum keeps it): one division and one
+ * square root per element (r[i] / denom once per row), which bound this loop.
+ * AF_APPLY: p = p * decay (when `decays`), then p = p + u * scale, in T.
+ *
+ * Q is AF_SAME (div 1), AF_MUL (a power-of-two div: its exact reciprocal multiplies,
+ * the division's bits) or AF_DIV; one loop body per way, each branch-free. */
+#define AF_SAME(x) (x)
+#define AF_MUL(x) ((x) * rdiv)
+#define AF_DIV(x) ((x) / div)
+#define AF_ROW_SUMS(Q)                                                                   \
+    do {                                                                                 \
+        double acc[LANES] = {0.0}, total = 0.0;                                          \
+        for (Py_ssize_t j = 0; j < whole; j += LANES)                                    \
+            for (int l = 0; l < LANES; l++) {                                            \
+                const double x = (double)Q(r[j + l]);                                    \
+                const double sq = x * x;                                                 \
+                acc[l] += sq;                                                            \
+                colsum[j + l] += sq;                                                     \
+            }                                                                            \
+        for (Py_ssize_t j = whole; j < w; j++) {                                         \
+            const double x = (double)Q(r[j]);                                            \
+            total += x * x;                                                              \
+            colsum[j] += x * x;                                                          \
+        }                                                                                \
+        for (int l = 0; l < LANES; l++) total += acc[l];                                 \
+        rowsum[i] = total;                                                               \
+    } while (0)
+#define AF_SUMS_LOOP(NAME, ATTR, T, RECIP)                                               \
+    ATTR static void NAME(const T *restrict g, Py_ssize_t rows, Py_ssize_t w,             \
+                          double *restrict rowsum, double *restrict colsum, double div_) \
+    {                                                                                    \
         const Py_ssize_t whole = w - w % LANES;                                          \
-        const T div = (T)div_;                                                           \
+        const T div = (T)div_, rdiv = RECIP(div); /* rdiv 0: divide */                   \
         for (Py_ssize_t j = 0; j < w; j++) colsum[j] = 0.0;                              \
         for (Py_ssize_t i = 0; i < rows; i++) {                                          \
-            T *restrict r = g + i * w;                                                   \
-            if (divides) /* the row is then in L1 for its sums: one pass over memory */  \
-                for (Py_ssize_t j = 0; j < w; j++) r[j] = r[j] / div;                    \
-            double acc[LANES] = {0.0}, total = 0.0;                                      \
-            for (Py_ssize_t j = 0; j < whole; j += LANES)                                \
-                for (int l = 0; l < LANES; l++) {                                        \
-                    const double x = (double)r[j + l];                                   \
-                    const double sq = x * x;                                             \
-                    acc[l] += sq;                                                        \
-                    colsum[j + l] += sq;                                                 \
-                }                                                                        \
-            for (Py_ssize_t j = whole; j < w; j++) {                                     \
-                const double x = (double)r[j];                                           \
-                total += x * x;                                                          \
-                colsum[j] += x * x;                                                      \
-            }                                                                            \
-            for (int l = 0; l < LANES; l++) total += acc[l];                             \
-            rowsum[i] = total;                                                           \
+            const T *restrict r = g + i * w;                                             \
+            if (div == (T)1)                                                             \
+                AF_ROW_SUMS(AF_SAME);                                                    \
+            else if (rdiv != (T)0)                                                       \
+                AF_ROW_SUMS(AF_MUL);                                                     \
+            else                                                                         \
+                AF_ROW_SUMS(AF_DIV);                                                     \
         }                                                                                \
     }
 
-#define AF_U_LOOP(NAME, ATTR, T, SQRT)                                                   \
+#define AF_U_ROW(Q, T, SQRT)                                                             \
+    for (Py_ssize_t j = 0; j < w; j++) {                                                 \
+        T v = ri * c[j];                                                                 \
+        v = v < floor ? floor : v;                                                       \
+        gi[j] = Q(gi[j]) / SQRT(v);                                                      \
+    }
+#define AF_U_LOOP(NAME, ATTR, T, SQRT, RECIP)                                            \
     ATTR static void NAME(T *restrict g, Py_ssize_t rows, Py_ssize_t w,                   \
                           const T *restrict r, const T *restrict c, double denom_,       \
-                          double floor_) {                                               \
-        const T denom = (T)denom_, floor = (T)floor_;                                    \
+                          double floor_, double div_) {                                  \
+        const T denom = (T)denom_, floor = (T)floor_, div = (T)div_;                     \
+        const T rdiv = RECIP(div); /* 1 for div 1; 0: divide */                         \
         for (Py_ssize_t i = 0; i < rows; i++) {                                          \
             T *restrict gi = g + i * w;                                                  \
-            const T ri = r[i];                                                           \
-            for (Py_ssize_t j = 0; j < w; j++) {                                         \
-                T v = (ri * c[j]) / denom;                                               \
-                v = v < floor ? floor : v;                                               \
-                gi[j] = gi[j] / SQRT(v);                                                 \
-            }                                                                            \
+            const T ri = r[i] / denom;                                                   \
+            if (rdiv != (T)0)                                                            \
+                AF_U_ROW(AF_MUL, T, SQRT)                                                \
+            else                                                                         \
+                AF_U_ROW(AF_DIV, T, SQRT)                                                \
         }                                                                                \
     }
 
@@ -543,14 +582,14 @@ typedef void (*acc_f64_fn)(double *restrict, const uint16_t *restrict, Py_ssize_
 typedef void (*round_f32_fn)(const float *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*round_f64_fn)(const double *restrict, uint16_t *restrict, Py_ssize_t);
 typedef void (*stats_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t *, double *);
-typedef void (*af_sums_f32_fn)(float *restrict, Py_ssize_t, Py_ssize_t,
-                               double *restrict, double *restrict, int, double);
-typedef void (*af_sums_f64_fn)(double *restrict, Py_ssize_t, Py_ssize_t,
-                               double *restrict, double *restrict, int, double);
+typedef void (*af_sums_f32_fn)(const float *restrict, Py_ssize_t, Py_ssize_t,
+                               double *restrict, double *restrict, double);
+typedef void (*af_sums_f64_fn)(const double *restrict, Py_ssize_t, Py_ssize_t,
+                               double *restrict, double *restrict, double);
 typedef void (*af_u_f32_fn)(float *restrict, Py_ssize_t, Py_ssize_t, const float *restrict,
-                            const float *restrict, double, double);
+                            const float *restrict, double, double, double);
 typedef void (*af_u_f64_fn)(double *restrict, Py_ssize_t, Py_ssize_t, const double *restrict,
-                            const double *restrict, double, double);
+                            const double *restrict, double, double, double);
 typedef void (*af_apply_f32_fn)(float *restrict, const float *restrict, Py_ssize_t, int, double,
                                 double);
 typedef void (*af_apply_f64_fn)(double *restrict, const double *restrict, Py_ssize_t, int,
@@ -581,10 +620,10 @@ typedef void (*sum_f64_fn)(double *, double *const *, int, Py_ssize_t, int, int,
     ACCUMULATE_LOOP(acc_double_f16_##SUFFIX, ATTR, double, f16_to_f32)        \
     STATS_LOOP(stats_float_##SUFFIX, ATTR, float)                             \
     STATS_LOOP(stats_double_##SUFFIX, ATTR, double)                           \
-    AF_SUMS_LOOP(af_sums_float_##SUFFIX, ATTR, float)                         \
-    AF_SUMS_LOOP(af_sums_double_##SUFFIX, ATTR, double)                       \
-    AF_U_LOOP(af_u_float_##SUFFIX, ATTR, float, sqrtf)                        \
-    AF_U_LOOP(af_u_double_##SUFFIX, ATTR, double, sqrt)                       \
+    AF_SUMS_LOOP(af_sums_float_##SUFFIX, ATTR, float, exact_reciprocal_f32)   \
+    AF_SUMS_LOOP(af_sums_double_##SUFFIX, ATTR, double, exact_reciprocal_f64) \
+    AF_U_LOOP(af_u_float_##SUFFIX, ATTR, float, sqrtf, exact_reciprocal_f32)  \
+    AF_U_LOOP(af_u_double_##SUFFIX, ATTR, double, sqrt, exact_reciprocal_f64) \
     AF_APPLY_LOOP(af_apply_float_##SUFFIX, ATTR, float)                       \
     AF_APPLY_LOOP(af_apply_double_##SUFFIX, ATTR, double)                     \
     SUM_LOOP(sum_float_##SUFFIX, ATTR, float, VB, NV, NT_STORE_##VB)            \
@@ -1150,9 +1189,9 @@ PyDoc_STRVAR(af_sums_doc,
 "Adafactor's statistics of a rectangle: g a contiguous float32/float64 array of\n"
 "rows x w elements (row-major); rowsum (rows) and colsum (w) contiguous float64\n"
 "arrays, overwritten with the float64 sums of the squares of each row (in\n"
-"grad_stats' order) and of each column (row after row). With divisor, g is first\n"
-"divided by it in place, row by row (g / divisor in g's dtype, as numpy divides),\n"
-"and the sums are those of the quotients: one pass over g instead of two.");
+"grad_stats' order) and of each column (row after row). With divisor, the sums\n"
+"are those of the quotients g / divisor (in g's dtype, as numpy divides); g is\n"
+"only read.");
 
 static PyObject *
 af_sums(PyObject *self, PyObject *args, PyObject *kwargs)
@@ -1170,7 +1209,7 @@ af_sums(PyObject *self, PyObject *args, PyObject *kwargs)
     const double divisor = divides ? PyFloat_AsDouble(divisor_obj) : 1.0;
     if (divides && divisor == -1.0 && PyErr_Occurred()) return NULL;
     Py_buffer g, rs, cs;
-    if (get_vector(objs[0], &g, divides, "g") < 0) return NULL;
+    if (get_vector(objs[0], &g, 0, "g") < 0) return NULL;
     const char kind = element_kind(&g);
     const Py_ssize_t n = g.len / (g.itemsize ? g.itemsize : 1);
     if (!kind || rows <= 0 || n % rows) {
@@ -1191,9 +1230,9 @@ af_sums(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     Py_BEGIN_ALLOW_THREADS
     if (kind == 'f')
-        af_sums_float_v[variant](g.buf, rows, w, rs.buf, cs.buf, divides, divisor);
+        af_sums_float_v[variant](g.buf, rows, w, rs.buf, cs.buf, divisor);
     else
-        af_sums_double_v[variant](g.buf, rows, w, rs.buf, cs.buf, divides, divisor);
+        af_sums_double_v[variant](g.buf, rows, w, rs.buf, cs.buf, divisor);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&g);
     PyBuffer_Release(&rs);
@@ -1202,21 +1241,23 @@ af_sums(PyObject *self, PyObject *args, PyObject *kwargs)
 }
 
 PyDoc_STRVAR(af_u_doc,
-"af_u(g, r, c, denom, floor, *, variant=None)\n\n"
+"af_u(g, r, c, denom, floor, *, divisor=None, variant=None)\n\n"
 "Adafactor's update of a rectangle in place: g (rows x w elements, row-major,\n"
-"contiguous float32/float64) becomes g / sqrt(max((r[i] * c[j]) / denom, floor)),\n"
-"r (rows) and c (w) of g's dtype, in that dtype.");
+"contiguous float32/float64) becomes (g / divisor) / sqrt(max((r[i] / denom) *\n"
+"c[j], floor)), r (rows) and c (w) of g's dtype, in that dtype (no divisor: g).");
 
 static PyObject *
 af_u(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"g", "r", "c", "denom", "floor", "variant", NULL};
-    PyObject *objs[3];
+    static char *kwlist[] = {"g", "r", "c", "denom", "floor", "divisor", "variant", NULL};
+    PyObject *objs[3], *divisor_obj = Py_None;
     double denom, floor_;
     const char *variant_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOdd|$z", kwlist, &objs[0], &objs[1],
-                                     &objs[2], &denom, &floor_, &variant_name))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOdd|$Oz", kwlist, &objs[0], &objs[1],
+                                     &objs[2], &denom, &floor_, &divisor_obj, &variant_name))
         return NULL;
+    const double divisor = divisor_obj == Py_None ? 1.0 : PyFloat_AsDouble(divisor_obj);
+    if (divisor == -1.0 && PyErr_Occurred()) return NULL;
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
     Py_buffer g, r, c;
@@ -1246,9 +1287,9 @@ af_u(PyObject *self, PyObject *args, PyObject *kwargs)
     } else {
         Py_BEGIN_ALLOW_THREADS
         if (kind == 'f')
-            af_u_float_v[variant](g.buf, rows, w, r.buf, c.buf, denom, floor_);
+            af_u_float_v[variant](g.buf, rows, w, r.buf, c.buf, denom, floor_, divisor);
         else
-            af_u_double_v[variant](g.buf, rows, w, r.buf, c.buf, denom, floor_);
+            af_u_double_v[variant](g.buf, rows, w, r.buf, c.buf, denom, floor_, divisor);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&g);

@@ -303,7 +303,7 @@ class ReferenceAdafactor:
                 u = np.empty_like(g3)
                 for k in range(g3.shape[0]):
                     denom = max(dt(np.mean(rows[k])), dt(eps1))
-                    v = np.outer(rows[k], cols[k]) / denom
+                    v = np.outer(rows[k] / denom, cols[k])
                     u[k] = g3[k] / np.sqrt(np.maximum(v, dt(eps1 * eps1)))
                 u = u.reshape(-1)
             else:

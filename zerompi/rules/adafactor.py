@@ -82,8 +82,8 @@ def rect_sums(g: np.ndarray, rows: int, kernel: str | None = None, variant: str 
               divisor: float | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """The float64 sums of the squares of each row (in :func:`sumsq_numpy`'s order)
     and of each column (row after row) of a rectangle: ``g`` flat, ``rows`` rows.
-    With ``divisor``, ``g`` is divided by it in place first (in ``g``'s dtype) and
-    the sums are the quotients': the compiled loop does both in one pass."""
+    With ``divisor``, the sums are those of the quotients ``g / divisor`` (in ``g``'s
+    dtype); ``g`` is only read (:func:`rect_u` divides it again where it writes U)."""
     w = g.shape[0] // rows
     chosen = compiled(kernel, variant, g)
     if chosen is not None:
@@ -91,7 +91,7 @@ def rect_sums(g: np.ndarray, rows: int, kernel: str | None = None, variant: str 
         _kernels().af_sums(g, rows, row_sums, col_sums, divisor=divisor, variant=chosen or None)
         return row_sums, col_sums
     if divisor is not None:
-        np.divide(g, divisor, out=g)
+        g = g / g.dtype.type(divisor)
     sq = g.astype(np.float64).reshape(rows, w)
     np.multiply(sq, sq, out=sq)
     whole = w - w % LANES
@@ -106,15 +106,20 @@ def rect_sums(g: np.ndarray, rows: int, kernel: str | None = None, variant: str 
 
 
 def rect_u(g: np.ndarray, r: np.ndarray, c: np.ndarray, denom: Any, floor: Any,
-           kernel: str | None = None, variant: str | None = None) -> None:  # fmt: skip
-    """``U = G / sqrt(max(r c^T / denom, floor))`` of a rectangle (``g`` flat, row-major,
-    ``len(r)`` rows of ``len(c)``), in place, in ``g``'s dtype."""
+           kernel: str | None = None, variant: str | None = None,
+           divisor: float | None = None) -> None:  # fmt: skip
+    """``U = (G / divisor) / sqrt(max((r / denom) c^T, floor))`` of a rectangle (``g``
+    flat, row-major, ``len(r)`` rows of ``len(c)``), in place, in ``g``'s dtype (no
+    ``divisor``: ``G``). ``r / denom`` once per row, so an element takes one division
+    and one square root, where ``(r c^T) / denom`` took two divisions."""
     chosen = compiled(kernel, variant, g, r, c)
     if chosen is not None:
-        _kernels().af_u(g, r, c, float(denom), float(floor), variant=chosen or None)
+        _kernels().af_u(g, r, c, float(denom), float(floor), divisor=divisor,
+                        variant=chosen or None)  # fmt: skip
         return
-    v = np.outer(r, c)
-    v /= denom
+    if divisor is not None:
+        np.divide(g, g.dtype.type(divisor), out=g)
+    v = np.outer(r / denom, c)
     np.maximum(v, floor, out=v)
     np.sqrt(v, out=v)
     g2 = g.reshape(v.shape)
@@ -259,12 +264,12 @@ class Adafactor(Rule):
         for piece in pieces:
             tensors.update(_tensors(piece, params))
         # 1. rows' and columns' sums of G^2 (by the rank counting each element), sum(X^2);
-        # the gradient divided by the divisor, the matrices' counted elements in the
-        # same pass as their sums, the rest of what the rank holds after
+        # the matrices' gradient is divided by the divisor where it is read (here for
+        # the sums, in 3. where U is written over it), the rest of what the rank holds
+        # (vectors) in place here
         layout = _Stats(params)
         first = np.zeros(layout.size, np.float64)
         for piece in pieces:
-            divided = []  # the piece's (start, stop) the sums divided
             for t, lo, hi in _counted(piece, tensors):
                 for a, b in chunks(lo - t.offset, hi - t.offset):
                     at = t.offset + a - piece.offset
@@ -280,8 +285,9 @@ class Adafactor(Rule):
                                                        piece.divisor)  # fmt: skip
                         first[rows + k * n + i0 : rows + k * n + i1] += row_sums
                         first[cols + k * m + j0 : cols + k * m + j1] += col_sums
-                    divided.append((lo - piece.offset, hi - piece.offset))
-            for a, b in gaps(sorted(divided), 0, piece.grad.shape[0]):
+            matrices = sorted((lo - piece.offset, hi - piece.offset)
+                              for t, lo, hi in _held(piece, tensors) if t.matrices)  # fmt: skip
+            for a, b in gaps(matrices, 0, piece.grad.shape[0]):
                 np.divide(piece.grad[a:b], piece.divisor, out=piece.grad[a:b])
         reduce(first)
         # 2. the states of the rows, columns (every matrix this rank holds) and vectors
@@ -323,7 +329,7 @@ class Adafactor(Rule):
                 index = layout.index[t.key]
                 for a, b in chunks(lo - t.offset, hi - t.offset):
                     at = t.offset + a - piece.offset
-                    self._u(t, piece.grad[at : at + b - a], t.offset + a)
+                    self._u(t, piece.grad[at : at + b - a], t.offset + a, piece.divisor)
                     ca, cb = max(t.offset + a, c_lo), min(t.offset + b, c_hi)
                     if cb > ca:
                         counted = piece.grad[ca - piece.offset : cb - piece.offset]
@@ -334,10 +340,10 @@ class Adafactor(Rule):
             t.scale = -t.alpha / max(1.0, rms_u / t.config.d)
         return tensors
 
-    def _u(self, t: _Tensor, g: np.ndarray, first: int) -> None:
+    def _u(self, t: _Tensor, g: np.ndarray, first: int, divisor: float) -> None:
         """``U = G / sqrt(max(V, eps1^2))`` of elements ``first ...`` of the flat
-        parameters (``g`` the averaged gradient there, at most :data:`CHUNK` long),
-        in place."""
+        parameters (``g`` the gradient there, at most :data:`CHUNK` long: a matrix's
+        summed, averaged here by ``divisor``; a vector's averaged already), in place."""
         dt = g.dtype.type
         eps1 = t.config.eps1 if t.config.eps1 is not None else float(np.finfo(g.dtype).eps)
         floor = dt(eps1 * eps1)
@@ -352,7 +358,7 @@ class Adafactor(Rule):
             mat = t.matrices[k]
             denom = max(mat.mean, dt(eps1))
             rect_u(g[at : at + (i1 - i0) * (j1 - j0)], mat.rows[i0:i1], mat.cols[j0:j1], denom,
-                   floor, self.kernel, self.variant)  # fmt: skip
+                   floor, self.kernel, self.variant, divisor)  # fmt: skip
 
     def update(
         self, param: np.ndarray, grad: np.ndarray, states: Sequence[np.ndarray], step: int,
