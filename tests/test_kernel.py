@@ -578,6 +578,94 @@ def test_adafactor_loops_match_numpy_bitwise(variant, dtype, rows, w):
 
 
 @needs_c
+@variants
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    ("stack", "n", "m", "chunk", "a", "b", "lo", "hi"),
+    [
+        (1, 4, 8, 16, 0, 32, 0, 32),  # one matrix, chunks of two rows
+        (3, 5, 7, 16, 3, 101, 10, 90),  # partial rows at both ends, across matrices
+        (2, 3, 40, 25, 17, 233, -5, 300),  # rows longer than a chunk, chunks mid-row
+        (4, 2, 3, 64, 0, 24, 5, 6),  # whole rows, a chunk spans matrices
+        (2, 6, 5, 7, 29, 30, 0, 60),  # one element
+        (2, 6, 5, 7, 29, 29, 0, 60),  # nothing
+    ],
+)  # fmt: skip
+def test_adafactor_range_loops_match_the_python_loops(
+    variant, dtype, stack, n, m, chunk, a, b, lo, hi, monkeypatch
+):
+    """The compiled loops over a parameter's range in one call (sumsq_chunks,
+    af_sums_range, af_u_range) give the bits of zerompi.rules.adafactor's numpy path,
+    which loops over the same pieces in Python: sums per piece of the multiples of
+    CHUNK added in turn to what was there, the rectangles of rects, U of the
+    quotients and sum(U^2) of the counted elements (lo ... hi) per piece."""
+    from zerompi.rules import adafactor as af
+
+    monkeypatch.setattr(af, "CHUNK", chunk)
+    chosen = _variant(variant)
+    rng = np.random.default_rng(stack * n * m + a)
+    x = rng.standard_normal(b - a).astype(dtype)
+    init = 0.25
+    want = init
+    for p, q in af.chunks(a, b):
+        want += af.sumsq_numpy(x[p - a : q - a])
+    got = adam._kernels.sumsq_chunks(x, a, chunk, init, variant=chosen or None)
+    assert np.float64(got).tobytes() == np.float64(want).tobytes(), (got, want)
+    for divisor in (None, 2.0, 3.0):
+        rows0, cols0 = rng.standard_normal(stack * n), rng.standard_normal(stack * m)
+        want_rows, want_cols = rows0.copy(), cols0.copy()
+        for k, i0, i1, j0, j1, at in af.rects(a, b, n, m):
+            part = x[at : at + (i1 - i0) * (j1 - j0)]
+            rs, cs = af.rect_sums(part, i1 - i0, "numpy", None, divisor)
+            want_rows[k * n + i0 : k * n + i1] += rs
+            want_cols[k * m + j0 : k * m + j1] += cs
+        got_rows, got_cols, before = rows0.copy(), cols0.copy(), x.copy()
+        adam._kernels.af_sums_range(x, a, n, m, chunk, got_rows, got_cols, divisor=divisor,
+                                    variant=chosen or None)  # fmt: skip
+        assert x.tobytes() == before.tobytes()
+        assert got_rows.tobytes() == want_rows.tobytes(), divisor
+        assert got_cols.tobytes() == want_cols.tobytes(), divisor
+        k0 = a // (n * m)
+        r = np.abs(rng.standard_normal(stack * n)).astype(dtype)[k0 * n :]
+        c = np.abs(rng.standard_normal(stack * m)).astype(dtype)[k0 * m :]
+        denoms = (np.abs(rng.standard_normal(stack)) + 0.5).astype(dtype)[k0:]
+        floor = dtype(1e-3)
+        want_u, want_sum = x.copy(), init
+        for p, q in af.chunks(a, b):
+            for k, i0, i1, j0, j1, at in af.rects(p, q, n, m):
+                kk, at = k - k0, at + p - a
+                af.rect_u(want_u[at : at + (i1 - i0) * (j1 - j0)], r[kk * n + i0 : kk * n + i1],
+                          c[kk * m + j0 : kk * m + j1], denoms[kk], floor, "numpy", None,
+                          divisor)  # fmt: skip
+            ca, cb = max(p, lo), min(q, hi)
+            if cb > ca:
+                want_sum += af.sumsq_numpy(want_u[ca - a : cb - a])
+        got_u = x.copy()
+        got_sum = adam._kernels.af_u_range(got_u, a, n, m, r, c, denoms, k0, float(floor),
+                                           chunk, lo, hi, init, divisor=divisor,
+                                           variant=chosen or None)  # fmt: skip
+        assert got_u.tobytes() == want_u.tobytes(), divisor
+        assert np.float64(got_sum).tobytes() == np.float64(want_sum).tobytes(), divisor
+
+
+@needs_c
+def test_adafactor_range_loops_refuse_what_they_cannot_index():
+    """A range past the states it is given is an error naming the sizes, not a read
+    or write past them."""
+    g = np.zeros(30, np.float32)
+    with pytest.raises(ValueError, match="rowsum and colsum must hold 3 matrices"):
+        adam._kernels.af_sums_range(g, 0, 2, 5, 16, np.zeros(4), np.zeros(10))
+    with pytest.raises(ValueError, match="span matrices 0 to 2, denoms holds 0 to 1"):
+        adam._kernels.af_u_range(g, 0, 2, 5, np.ones(6, np.float32), np.ones(15, np.float32),
+                                 np.ones(2, np.float32), 0, 0.0, 16, 0, 30, 0.0)  # fmt: skip
+    with pytest.raises(ValueError, match="r and c must hold 3 matrices"):
+        adam._kernels.af_u_range(g, 0, 2, 5, np.ones(4, np.float32), np.ones(15, np.float32),
+                                 np.ones(3, np.float32), 0, 0.0, 16, 0, 30, 0.0)  # fmt: skip
+    with pytest.raises(ValueError, match="chunk >= 1"):
+        adam._kernels.sumsq_chunks(g, 0, 0, 0.0)
+
+
+@needs_c
 def test_adafactor_loops_refuse_bad_arrays():
     """Wrong shapes and dtypes are errors naming the array, not wrong memory."""
     g = np.zeros(12, np.float32)

@@ -1299,6 +1299,278 @@ af_u(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
+/* Adafactor's passes over a parameter's range in one call each, where
+ * zerompi/rules/adafactor.py's numpy path loops in Python (the same bits: the same
+ * loops above, in its order). `start` is the range's first element counted from the
+ * parameter's first, `chunk` its CHUNK: sums of squares are taken per piece cut at
+ * the parameter's multiples of `chunk` and added in turn to `init`; a stack of
+ * `n x m` matrices is cut into the rectangles of its `rects` (a part of one row, or
+ * whole rows, at most max(1, chunk / m) of them, within one matrix). */
+#define RANGE_FNS(T, SUFFIX)                                                              \
+    static double sumsq_chunks_##SUFFIX(const T *x, Py_ssize_t len, Py_ssize_t start,     \
+                                        Py_ssize_t chunk, double acc, int variant) {      \
+        for (Py_ssize_t pos = start; pos < start + len;) {                                \
+            Py_ssize_t end = (pos / chunk + 1) * chunk, bad = 0;                          \
+            double total = 0.0;                                                           \
+            if (end > start + len) end = start + len;                                     \
+            stats_##SUFFIX##_v[variant](x + (pos - start), end - pos, &bad, &total);      \
+            acc += total;                                                                 \
+            pos = end;                                                                    \
+        }                                                                                 \
+        return acc;                                                                       \
+    }                                                                                     \
+    static void af_sums_range_##SUFFIX(const T *g, Py_ssize_t len, Py_ssize_t start,      \
+                                       Py_ssize_t n, Py_ssize_t m, Py_ssize_t chunk,      \
+                                       double div, double *rowsum, double *colsum,        \
+                                       double *row_tmp, double *col_tmp, int variant) {   \
+        const Py_ssize_t most = chunk / m > 1 ? chunk / m : 1;                            \
+        for (Py_ssize_t pos = start; pos < start + len;) {                                \
+            const Py_ssize_t k = pos / (n * m), within = pos % (n * m);                   \
+            const Py_ssize_t i = within / m, j = within % m;                              \
+            Py_ssize_t end = (k + 1) * n * m, rows, w;                                    \
+            if (end > start + len) end = start + len;                                     \
+            if (j || end - pos < m) { /* a part of a row */                               \
+                const Py_ssize_t stop = end < pos - j + m ? end : pos - j + m;            \
+                rows = 1;                                                                 \
+                w = stop - pos;                                                           \
+            } else {                                                                      \
+                rows = (end - pos) / m < most ? (end - pos) / m : most;                   \
+                w = m;                                                                    \
+            }                                                                             \
+            af_sums_##SUFFIX##_v[variant](g + (pos - start), rows, w, row_tmp, col_tmp,   \
+                                          div);                                           \
+            for (Py_ssize_t r = 0; r < rows; r++) rowsum[k * n + i + r] += row_tmp[r];    \
+            for (Py_ssize_t c = 0; c < w; c++) colsum[k * m + j + c] += col_tmp[c];       \
+            pos += rows * w;                                                              \
+        }                                                                                 \
+    }                                                                                     \
+    static double af_u_range_##SUFFIX(T *g, Py_ssize_t len, Py_ssize_t start,             \
+                                      Py_ssize_t n, Py_ssize_t m, const T *r,             \
+                                      const T *c, const T *denoms, Py_ssize_t k0,         \
+                                      double floor_, Py_ssize_t chunk, Py_ssize_t lo,     \
+                                      Py_ssize_t hi, double acc, double div, int variant) \
+    {                                                                                     \
+        for (Py_ssize_t pos = start; pos < start + len;) {                                \
+            Py_ssize_t end = (pos / chunk + 1) * chunk;                                   \
+            if (end > start + len) end = start + len;                                     \
+            for (Py_ssize_t at = pos; at < end;) { /* U, a part of a row at a time */     \
+                const Py_ssize_t k = at / (n * m) - k0, within = at % (n * m);            \
+                const Py_ssize_t i = within / m, j = within % m;                          \
+                const Py_ssize_t stop = end < at - j + m ? end : at - j + m;              \
+                af_u_##SUFFIX##_v[variant](g + (at - start), 1, stop - at, r + k * n + i, \
+                                           c + k * m + j, (double)denoms[k], floor_,      \
+                                           div);                                          \
+                at = stop;                                                                \
+            }                                                                             \
+            const Py_ssize_t a = pos > lo ? pos : lo, b = end < hi ? end : hi;            \
+            if (b > a) { /* sum(U^2) of the counted part, still in cache */               \
+                Py_ssize_t bad = 0;                                                       \
+                double total = 0.0;                                                       \
+                stats_##SUFFIX##_v[variant](g + (a - start), b - a, &bad, &total);        \
+                acc += total;                                                             \
+            }                                                                             \
+            pos = end;                                                                    \
+        }                                                                                 \
+        return acc;                                                                       \
+    }
+RANGE_FNS(float, float)
+RANGE_FNS(double, double)
+
+PyDoc_STRVAR(sumsq_chunks_doc,
+"sumsq_chunks(x, start, chunk, init, *, variant=None)\n\n"
+"init plus the float64 sums of the squares of x (contiguous float32/float64) cut at\n"
+"the multiples of chunk counted from start (x[0]'s index), each in grad_stats'\n"
+"order, added in turn.");
+
+static PyObject *
+sumsq_chunks(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"x", "start", "chunk", "init", "variant", NULL};
+    PyObject *obj;
+    Py_ssize_t start, chunk;
+    double init;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Onnd|$z", kwlist, &obj, &start, &chunk,
+                                     &init, &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0) return NULL;
+    if (start < 0 || chunk < 1) {
+        PyErr_Format(PyExc_ValueError, "start must be >= 0 and chunk >= 1, got %zd and %zd",
+                     start, chunk);
+        return NULL;
+    }
+    Py_buffer x;
+    if (get_vector(obj, &x, 0, "x") < 0) return NULL;
+    const char kind = element_kind(&x);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "x must be float32 or float64, got format '%s'", x.format);
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    const Py_ssize_t len = x.len / x.itemsize;
+    double acc;
+    Py_BEGIN_ALLOW_THREADS
+    acc = kind == 'f' ? sumsq_chunks_float(x.buf, len, start, chunk, init, variant)
+                      : sumsq_chunks_double(x.buf, len, start, chunk, init, variant);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&x);
+    return PyFloat_FromDouble(acc);
+}
+
+/* The arguments of a range of a stack of n x m matrices, checked. */
+static int
+check_stack(Py_ssize_t start, Py_ssize_t n, Py_ssize_t m, Py_ssize_t chunk)
+{
+    if (start < 0 || n < 1 || m < 1 || chunk < 1) {
+        PyErr_Format(PyExc_ValueError, "start must be >= 0 and n, m, chunk >= 1, got %zd, "
+                     "%zd, %zd, %zd", start, n, m, chunk);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(af_sums_range_doc,
+"af_sums_range(g, start, n, m, chunk, rowsum, colsum, *, divisor=None, variant=None)\n\n"
+"af_sums over the rectangles of elements start ... start + len(g) of a stack of\n"
+"n x m matrices (g contiguous float32/float64, only read), each rectangle's row and\n"
+"column sums added to rowsum[k * n + i] and colsum[k * m + j] (float64, matrix k\n"
+"counted from the stack's first: its rows' and columns' sums of every matrix).");
+
+static PyObject *
+af_sums_range(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"g", "start", "n", "m", "chunk", "rowsum", "colsum", "divisor",
+                             "variant", NULL};
+    PyObject *objs[3], *divisor_obj = Py_None;
+    Py_ssize_t start, n, m, chunk;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnnnOO|$Oz", kwlist, &objs[0], &start,
+                                     &n, &m, &chunk, &objs[1], &objs[2], &divisor_obj,
+                                     &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0 || check_stack(start, n, m, chunk) < 0) return NULL;
+    const double divisor = divisor_obj == Py_None ? 1.0 : PyFloat_AsDouble(divisor_obj);
+    if (divisor == -1.0 && PyErr_Occurred()) return NULL;
+    Py_buffer g, rs, cs;
+    if (get_vector(objs[0], &g, 0, "g") < 0) return NULL;
+    const char kind = element_kind(&g);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "g must be float32 or float64, got format '%s'", g.format);
+        PyBuffer_Release(&g);
+        return NULL;
+    }
+    const Py_ssize_t len = g.len / g.itemsize;
+    const Py_ssize_t stack = len ? (start + len - 1) / (n * m) + 1 : 0; /* matrices needed */
+    if (get_typed(objs[1], &rs, -1, 'd', 8, 1, "rowsum", "float64") < 0) {
+        PyBuffer_Release(&g);
+        return NULL;
+    }
+    if (get_typed(objs[2], &cs, -1, 'd', 8, 1, "colsum", "float64") < 0) {
+        PyBuffer_Release(&g);
+        PyBuffer_Release(&rs);
+        return NULL;
+    }
+    const Py_ssize_t most = chunk / m > 1 ? chunk / m : 1;
+    double *tmp = NULL;
+    if (rs.len / 8 < stack * n || cs.len / 8 < stack * m)
+        PyErr_Format(PyExc_ValueError, "rowsum and colsum must hold %zd matrices' rows and "
+                     "columns (%zd and %zd), got %zd and %zd", stack, stack * n, stack * m,
+                     rs.len / 8, cs.len / 8);
+    else if ((tmp = PyMem_Malloc((most + m) * sizeof(double))) == NULL)
+        PyErr_NoMemory();
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        if (kind == 'f')
+            af_sums_range_float(g.buf, len, start, n, m, chunk, divisor, rs.buf, cs.buf, tmp,
+                                tmp + most, variant);
+        else
+            af_sums_range_double(g.buf, len, start, n, m, chunk, divisor, rs.buf, cs.buf, tmp,
+                                 tmp + most, variant);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(tmp);
+    PyBuffer_Release(&g);
+    PyBuffer_Release(&rs);
+    PyBuffer_Release(&cs);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(af_u_range_doc,
+"af_u_range(g, start, n, m, r, c, denoms, k0, floor, chunk, lo, hi, init, *,\n"
+"           divisor=None, variant=None)\n\n"
+"af_u over elements start ... start + len(g) of a stack of n x m matrices, in place\n"
+"(g contiguous float32/float64; matrix k's rows' state r[(k - k0) * n ...], columns'\n"
+"c[(k - k0) * m ...], denominator denoms[k - k0], all of g's dtype), one piece of\n"
+"the multiples of chunk at a time; returns init plus the sums of the squares of\n"
+"each piece's elements within lo ... hi (the counted ones), added in turn.");
+
+static PyObject *
+af_u_range(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *kwlist[] = {"g", "start", "n", "m", "r", "c", "denoms", "k0", "floor",
+                             "chunk", "lo", "hi", "init", "divisor", "variant", NULL};
+    PyObject *objs[4], *divisor_obj = Py_None;
+    Py_ssize_t start, n, m, k0, chunk, lo, hi;
+    double floor_, init;
+    const char *variant_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnnOOOndnnnd|$Oz", kwlist, &objs[0],
+                                     &start, &n, &m, &objs[1], &objs[2], &objs[3], &k0,
+                                     &floor_, &chunk, &lo, &hi, &init, &divisor_obj,
+                                     &variant_name))
+        return NULL;
+    const int variant = parse_variant(variant_name);
+    if (variant < 0 || check_stack(start, n, m, chunk) < 0) return NULL;
+    const double divisor = divisor_obj == Py_None ? 1.0 : PyFloat_AsDouble(divisor_obj);
+    if (divisor == -1.0 && PyErr_Occurred()) return NULL;
+    Py_buffer g, views[3];
+    if (get_vector(objs[0], &g, 1, "g") < 0) return NULL;
+    const char kind = element_kind(&g);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "g must be float32 or float64, got format '%s'", g.format);
+        PyBuffer_Release(&g);
+        return NULL;
+    }
+    const Py_ssize_t size = kind == 'f' ? 4 : 8, len = g.len / size;
+    const char *what = kind == 'f' ? "float32" : "float64";
+    static const char *const names[3] = {"r", "c", "denoms"};
+    int got = 0;
+    for (; got < 3; got++)
+        if (get_typed(objs[got + 1], &views[got], -1, kind, size, 0, names[got], what) < 0)
+            break;
+    double acc = init;
+    if (got == 3) {
+        const Py_ssize_t count = views[2].len / size; /* matrices k0 ... k0 + count - 1 */
+        const Py_ssize_t first = start / (n * m), last = len ? (start + len - 1) / (n * m) : first;
+        if (len && (first < k0 || last >= k0 + count))
+            PyErr_Format(PyExc_ValueError, "elements %zd to %zd span matrices %zd to %zd, "
+                         "denoms holds %zd to %zd", start, start + len, first, last, k0,
+                         k0 + count - 1);
+        else if (views[0].len / size < count * n || views[1].len / size < count * m)
+            PyErr_Format(PyExc_ValueError, "r and c must hold %zd matrices' rows and columns "
+                         "(%zd and %zd), got %zd and %zd", count, count * n, count * m,
+                         views[0].len / size, views[1].len / size);
+        else {
+            Py_BEGIN_ALLOW_THREADS
+            if (kind == 'f')
+                acc = af_u_range_float(g.buf, len, start, n, m, views[0].buf, views[1].buf,
+                                       views[2].buf, k0, floor_, chunk, lo, hi, init, divisor,
+                                       variant);
+            else
+                acc = af_u_range_double(g.buf, len, start, n, m, views[0].buf, views[1].buf,
+                                        views[2].buf, k0, floor_, chunk, lo, hi, init,
+                                        divisor, variant);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    for (int v = 0; v < got; v++) PyBuffer_Release(&views[v]);
+    PyBuffer_Release(&g);
+    if (PyErr_Occurred()) return NULL;
+    return PyFloat_FromDouble(acc);
+}
+
 PyDoc_STRVAR(af_apply_doc,
 "af_apply(param, u, decay, scale, *, variant=None)\n\n"
 "param = param * decay + u * scale in place (decay None: param + u * scale), in\n"
@@ -1596,6 +1868,12 @@ static PyMethodDef methods[] = {
     {"adam8", (PyCFunction)(void (*)(void))adam8, METH_VARARGS | METH_KEYWORDS, adam8_doc},
     {"af_sums", (PyCFunction)(void (*)(void))af_sums, METH_VARARGS | METH_KEYWORDS, af_sums_doc},
     {"af_u", (PyCFunction)(void (*)(void))af_u, METH_VARARGS | METH_KEYWORDS, af_u_doc},
+    {"sumsq_chunks", (PyCFunction)(void (*)(void))sumsq_chunks, METH_VARARGS | METH_KEYWORDS,
+     sumsq_chunks_doc},
+    {"af_sums_range", (PyCFunction)(void (*)(void))af_sums_range, METH_VARARGS | METH_KEYWORDS,
+     af_sums_range_doc},
+    {"af_u_range", (PyCFunction)(void (*)(void))af_u_range, METH_VARARGS | METH_KEYWORDS,
+     af_u_range_doc},
     {"af_apply", (PyCFunction)(void (*)(void))af_apply, METH_VARARGS | METH_KEYWORDS,
      af_apply_doc},
     {"variants", variants, METH_NOARGS, variants_doc},

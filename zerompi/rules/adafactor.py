@@ -218,6 +218,13 @@ class _Tensor:
     dtype: str = "float32"
     alpha: float = 0.0
     scale: float = 0.0  # -alpha / max(1, RMS(U) / d)
+    #: The first matrix of the stack on this rank, and the rows' and columns' states
+    #: of it and those after it (``matrices[k0:]``'s, one after the other)
+    k0: int = 0
+    rows: np.ndarray | None = None
+    cols: np.ndarray | None = None
+    #: Per matrix from ``k0``, ``max(mean of its rows' state, eps1)`` (after step 2)
+    denoms: np.ndarray | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -270,15 +277,30 @@ class Adafactor(Rule):
         layout = _Stats(params)
         first = np.zeros(layout.size, np.float64)
         for piece in pieces:
+            # the compiled loops over each parameter's range in one call, or numpy's
+            # over its pieces in Python: the same loops in the same order
+            chosen = compiled(kernel, variant, piece.param, piece.grad)
             for t, lo, hi in _counted(piece, tensors):
-                for a, b in chunks(lo - t.offset, hi - t.offset):
-                    at = t.offset + a - piece.offset
-                    first[layout.sumsq[t.key]] += sumsq(piece.param[at : at + b - a], kernel,
-                                                        variant)  # fmt: skip
+                x = piece.param[lo - piece.offset : hi - piece.offset]
+                if chosen is not None:
+                    first[layout.sumsq[t.key]] = _kernels().sumsq_chunks(
+                        x, lo - t.offset, CHUNK, first[layout.sumsq[t.key]],
+                        variant=chosen or None)  # fmt: skip
+                else:
+                    for a, b in chunks(lo - t.offset, hi - t.offset):
+                        at = a - (lo - t.offset)
+                        first[layout.sumsq[t.key]] += sumsq(x[at : at + b - a], kernel, variant)
                 if t.matrices:
                     n, m = t.shape[-2], t.shape[-1]
                     rows, cols = layout.rows[t.key], layout.cols[t.key]
                     g = piece.grad[lo - piece.offset : hi - piece.offset]
+                    if chosen is not None:
+                        stack = t.size // (n * m)
+                        _kernels().af_sums_range(
+                            g, lo - t.offset, n, m, CHUNK, first[rows : rows + stack * n],
+                            first[cols : cols + stack * m], divisor=piece.divisor,
+                            variant=chosen or None)  # fmt: skip
+                        continue
                     for k, i0, i1, j0, j1, at in rects(lo - t.offset, hi - t.offset, n, m):
                         part = g[at : at + (i1 - i0) * (j1 - j0)]  # (a rectangle)
                         row_sums, col_sums = rect_sums(part, i1 - i0, kernel, variant,
@@ -309,6 +331,9 @@ class Adafactor(Rule):
                     mat.cols *= keep
                     mat.cols += col_mean * w
                     mat.mean = dt(np.mean(mat.rows))
+                eps1 = c.eps1 if c.eps1 is not None else float(np.finfo(dt).eps)
+                t.denoms = np.array([max(mat.mean, dt(eps1))  # type: ignore[union-attr]
+                                     for mat in t.matrices[t.k0 :]], dt)  # fmt: skip
             rms_x = math.sqrt(first[layout.sumsq[t.key]] / t.size)
             t.alpha = max(c.eps2, rms_x) * min(c.lr, 1.0 / math.sqrt(step))
         for piece in pieces:  # the vectors' states over everything the rank updates
@@ -325,8 +350,19 @@ class Adafactor(Rule):
         second = np.zeros(len(layout.index), np.float64)
         for piece in pieces:
             c_lo, c_hi = piece.offset + piece.counted[0], piece.offset + piece.counted[1]
+            chosen = compiled(kernel, variant, piece.param, piece.grad)
             for t, lo, hi in _held(piece, tensors):
                 index = layout.index[t.key]
+                if t.matrices and chosen is not None:
+                    dt = piece.grad.dtype.type
+                    eps1 = t.config.eps1
+                    eps1 = eps1 if eps1 is not None else float(np.finfo(piece.grad.dtype).eps)
+                    second[index] = _kernels().af_u_range(
+                        piece.grad[lo - piece.offset : hi - piece.offset], lo - t.offset,
+                        t.shape[-2], t.shape[-1], t.rows, t.cols, t.denoms, t.k0,
+                        float(dt(eps1 * eps1)), CHUNK, c_lo - t.offset, c_hi - t.offset,
+                        second[index], divisor=piece.divisor, variant=chosen or None)  # fmt: skip
+                    continue
                 for a, b in chunks(lo - t.offset, hi - t.offset):
                     at = t.offset + a - piece.offset
                     self._u(t, piece.grad[at : at + b - a], t.offset + a, piece.divisor)
@@ -424,12 +460,15 @@ def _tensors(piece: Piece, params: Sequence[Any]) -> dict[tuple[str, int], _Tens
             rn, rm = p.shape[-2], p.shape[-1]
             k0, k1 = (lo - p.offset) // (rn * rm), (hi - 1 - p.offset) // (rn * rm) + 1
             matrices: list[_Matrix | None] = [None] * k0
+            rows = rows_state[at_rows : at_rows + (k1 - k0) * rn]
+            cols = cols_state[at_cols : at_cols + (k1 - k0) * rm]
             for _ in range(k0, k1):
                 matrices.append(_Matrix(rows_state[at_rows : at_rows + rn],
                                         cols_state[at_cols : at_cols + rm]))  # fmt: skip
                 at_rows, at_cols = at_rows + rn, at_cols + rm
             out[(dtype, p.offset)] = _Tensor(p.offset, p.size, tuple(p.shape), config,
-                                             matrices, None, 0, dtype)  # fmt: skip
+                                             matrices, None, 0, dtype, k0=k0, rows=rows,
+                                             cols=cols)  # fmt: skip
         else:
             vec = vector_state[at_vec : at_vec + hi - lo]
             at_vec += hi - lo
@@ -439,8 +478,9 @@ def _tensors(piece: Piece, params: Sequence[Any]) -> dict[tuple[str, int], _Tens
 
 
 def _overlapping(tensors: Tensors, dtype: np.dtype, lo: int, hi: int) -> Iterator[_Tensor]:
+    name = dtype.name  # (computed by numpy in Python: once, not once per tensor)
     for t in tensors.values():
-        if t.dtype == dtype.name and t.offset < hi and t.offset + t.size > lo:
+        if t.dtype == name and t.offset < hi and t.offset + t.size > lo:
             yield t
 
 
