@@ -578,6 +578,24 @@ def test_adafactor_loops_match_numpy_bitwise(variant, dtype, rows, w):
 
 
 @needs_c
+def test_the_compiled_module_is_not_older_than_its_source():
+    """The extension is optional, so a build that fails (say, a compile error in
+    ``_kernels.c``) leaves the last one in place and ``pip install -e .`` still
+    succeeds: the tests would run stale loops. A compiled module next to its source
+    must be at least as new as it."""
+    from pathlib import Path
+
+    built = Path(adam._kernels.__file__)
+    source = built.parent / "_kernels.c"
+    if not source.exists():
+        pytest.skip("an installed copy: its source is not next to it")
+    assert built.stat().st_mtime >= source.stat().st_mtime, (
+        f"{built.name} is older than {source}: its last build failed or did not run; "
+        "rebuild with `pip install --no-deps --no-build-isolation -e .` and read its errors"
+    )
+
+
+@needs_c
 @variants
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(
