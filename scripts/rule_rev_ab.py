@@ -23,6 +23,7 @@ bit for bit.
 import argparse
 import copy
 import importlib.util
+import shutil
 import subprocess
 import sys
 import types
@@ -94,6 +95,9 @@ def old_kernels() -> types.ModuleType:
     assert spec is not None and spec.loader is not None
     ext_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ext_module)
+    comm.Barrier()  # every rank has it mapped: the folder can go
+    if comm.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
     return ext_module
 
 

@@ -681,6 +681,18 @@ def test_adafactor_range_loops_refuse_what_they_cannot_index():
                                  np.ones(3, np.float32), 0, 0.0, 16, 0, 30, 0.0)  # fmt: skip
     with pytest.raises(ValueError, match="chunk >= 1"):
         adam._kernels.sumsq_chunks(g, 0, 0, 0.0)
+    ints, k = np.zeros(30, np.int32), adam._kernels
+    for call in (lambda: k.sumsq_chunks(ints, 0, 16, 0.0),
+                 lambda: k.af_sums(ints, 3, np.zeros(3), np.zeros(10)),
+                 lambda: k.af_sums_range(ints, 0, 2, 5, 16, np.zeros(6), np.zeros(15)),
+                 lambda: k.af_u(ints, np.ones(3, np.float32), np.ones(10, np.float32), 1.0, 0.0),
+                 lambda: k.af_u_range(ints, 0, 2, 5, np.ones(6, np.float32),
+                                      np.ones(15, np.float32), np.ones(3, np.float32), 0, 0.0,
+                                      16, 0, 30, 0.0)):  # fmt: skip
+        with pytest.raises(TypeError, match=r"[xg] must be float32 or float64"):
+            call()
+    with pytest.raises(TypeError, match="real number"):
+        k.af_u(g, np.ones(3, np.float32), np.ones(10, np.float32), 1.0, 0.0, divisor="2")
 
 
 @needs_c

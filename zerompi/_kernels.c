@@ -882,6 +882,29 @@ get_typed(PyObject *obj, Py_buffer *view, Py_ssize_t n, char fmt, Py_ssize_t ite
     return 0;
 }
 
+/* A contiguous float32/float64 array: its kind ('f' or 'd'), or 0 with an exception
+ * naming `name` and nothing held. */
+static char
+get_floats(PyObject *obj, Py_buffer *view, int writable, const char *name)
+{
+    if (get_vector(obj, view, writable, name) < 0) return 0;
+    const char kind = element_kind(view);
+    if (!kind) {
+        PyErr_Format(PyExc_TypeError, "%s must be float32 or float64, got format '%s'", name,
+                     view->format);
+        PyBuffer_Release(view);
+    }
+    return kind;
+}
+
+/* The optional `divisor` argument (None: 1), or -1 with an exception. */
+static int
+get_divisor(PyObject *obj, double *divisor)
+{
+    *divisor = obj == Py_None ? 1.0 : PyFloat_AsDouble(obj);
+    return *divisor == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* The uint16 array `obj` of `n` elements holding 16-bit floats (`name`: for errors),
  * or -1 with an exception. */
 static int
@@ -902,14 +925,8 @@ get_wide_and_low(PyObject *wide_obj, Py_buffer *wide, int wide_writable, const c
                  PyObject *low_obj, Py_buffer *low, int low_kind, int low_writable,
                  const char *low_name)
 {
-    if (get_vector(wide_obj, wide, wide_writable, wide_name) < 0) return 0;
-    const char kind = element_kind(wide);
-    if (!kind) {
-        PyErr_Format(PyExc_TypeError, "%s must be float32 or float64, got format '%s'",
-                     wide_name, wide->format);
-        PyBuffer_Release(wide);
-        return 0;
-    }
+    const char kind = get_floats(wide_obj, wide, wide_writable, wide_name);
+    if (!kind) return 0;
     if (get_low(low_obj, low, wide->len / wide->itemsize, low_kind, low_writable, low_name) < 0) {
         PyBuffer_Release(wide);
         return 0;
@@ -1164,14 +1181,8 @@ grad_stats(PyObject *self, PyObject *args, PyObject *kwargs)
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
     Py_buffer view;
-    if (get_vector(arg, &view, 0, "grad") < 0) return NULL;
-    char kind = element_kind(&view);
-    if (!kind) {
-        PyErr_Format(PyExc_TypeError, "grad must be float32 or float64, got format '%s'",
-                     view.format);
-        PyBuffer_Release(&view);
-        return NULL;
-    }
+    const char kind = get_floats(arg, &view, 0, "grad");
+    if (!kind) return NULL;
     Py_ssize_t n = view.len / view.itemsize, bad = 0;
     double total = 0.0;
     Py_BEGIN_ALLOW_THREADS
@@ -1205,16 +1216,15 @@ af_sums(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
-    const int divides = divisor_obj != Py_None;
-    const double divisor = divides ? PyFloat_AsDouble(divisor_obj) : 1.0;
-    if (divides && divisor == -1.0 && PyErr_Occurred()) return NULL;
+    double divisor;
+    if (get_divisor(divisor_obj, &divisor) < 0) return NULL;
     Py_buffer g, rs, cs;
-    if (get_vector(objs[0], &g, 0, "g") < 0) return NULL;
-    const char kind = element_kind(&g);
-    const Py_ssize_t n = g.len / (g.itemsize ? g.itemsize : 1);
-    if (!kind || rows <= 0 || n % rows) {
+    const char kind = get_floats(objs[0], &g, 0, "g");
+    if (!kind) return NULL;
+    const Py_ssize_t n = g.len / g.itemsize;
+    if (rows <= 0 || n % rows) {
         PyErr_Format(PyExc_ValueError, "g must be float32/float64 of rows x w elements, got "
-                     "format '%s', %zd elements, rows=%zd", g.format, n, rows);
+                     "%zd elements, rows=%zd", n, rows);
         PyBuffer_Release(&g);
         return NULL;
     }
@@ -1256,18 +1266,13 @@ af_u(PyObject *self, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOdd|$Oz", kwlist, &objs[0], &objs[1],
                                      &objs[2], &denom, &floor_, &divisor_obj, &variant_name))
         return NULL;
-    const double divisor = divisor_obj == Py_None ? 1.0 : PyFloat_AsDouble(divisor_obj);
-    if (divisor == -1.0 && PyErr_Occurred()) return NULL;
+    double divisor;
+    if (get_divisor(divisor_obj, &divisor) < 0) return NULL;
     const int variant = parse_variant(variant_name);
     if (variant < 0) return NULL;
     Py_buffer g, r, c;
-    if (get_vector(objs[0], &g, 1, "g") < 0) return NULL;
-    const char kind = element_kind(&g);
-    if (!kind) {
-        PyErr_Format(PyExc_TypeError, "g must be float32 or float64, got format '%s'", g.format);
-        PyBuffer_Release(&g);
-        return NULL;
-    }
+    const char kind = get_floats(objs[0], &g, 1, "g");
+    if (!kind) return NULL;
     const Py_ssize_t size = kind == 'f' ? 4 : 8, n = g.len / size;
     const char *what = kind == 'f' ? "float32" : "float64";
     if (get_typed(objs[1], &r, -1, kind, size, 0, "r", what) < 0) {
@@ -1401,13 +1406,8 @@ sumsq_chunks(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     Py_buffer x;
-    if (get_vector(obj, &x, 0, "x") < 0) return NULL;
-    const char kind = element_kind(&x);
-    if (!kind) {
-        PyErr_Format(PyExc_TypeError, "x must be float32 or float64, got format '%s'", x.format);
-        PyBuffer_Release(&x);
-        return NULL;
-    }
+    const char kind = get_floats(obj, &x, 0, "x");
+    if (!kind) return NULL;
     const Py_ssize_t len = x.len / x.itemsize;
     double acc;
     Py_BEGIN_ALLOW_THREADS
@@ -1451,16 +1451,11 @@ af_sums_range(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     const int variant = parse_variant(variant_name);
     if (variant < 0 || check_stack(start, n, m, chunk) < 0) return NULL;
-    const double divisor = divisor_obj == Py_None ? 1.0 : PyFloat_AsDouble(divisor_obj);
-    if (divisor == -1.0 && PyErr_Occurred()) return NULL;
+    double divisor;
+    if (get_divisor(divisor_obj, &divisor) < 0) return NULL;
     Py_buffer g, rs, cs;
-    if (get_vector(objs[0], &g, 0, "g") < 0) return NULL;
-    const char kind = element_kind(&g);
-    if (!kind) {
-        PyErr_Format(PyExc_TypeError, "g must be float32 or float64, got format '%s'", g.format);
-        PyBuffer_Release(&g);
-        return NULL;
-    }
+    const char kind = get_floats(objs[0], &g, 0, "g");
+    if (!kind) return NULL;
     const Py_ssize_t len = g.len / g.itemsize;
     const Py_ssize_t stack = len ? (start + len - 1) / (n * m) + 1 : 0; /* matrices needed */
     if (get_typed(objs[1], &rs, -1, 'd', 8, 1, "rowsum", "float64") < 0) {
@@ -1523,16 +1518,11 @@ af_u_range(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     const int variant = parse_variant(variant_name);
     if (variant < 0 || check_stack(start, n, m, chunk) < 0) return NULL;
-    const double divisor = divisor_obj == Py_None ? 1.0 : PyFloat_AsDouble(divisor_obj);
-    if (divisor == -1.0 && PyErr_Occurred()) return NULL;
+    double divisor;
+    if (get_divisor(divisor_obj, &divisor) < 0) return NULL;
     Py_buffer g, views[3];
-    if (get_vector(objs[0], &g, 1, "g") < 0) return NULL;
-    const char kind = element_kind(&g);
-    if (!kind) {
-        PyErr_Format(PyExc_TypeError, "g must be float32 or float64, got format '%s'", g.format);
-        PyBuffer_Release(&g);
-        return NULL;
-    }
+    const char kind = get_floats(objs[0], &g, 1, "g");
+    if (!kind) return NULL;
     const Py_ssize_t size = kind == 'f' ? 4 : 8, len = g.len / size;
     const char *what = kind == 'f' ? "float32" : "float64";
     static const char *const names[3] = {"r", "c", "denoms"};
