@@ -251,7 +251,8 @@ class ReferenceAdafactor:
     float64, added over pieces of 65536 elements in order
     (:func:`zerompi.rules.adafactor.chunks`, :func:`~zerompi.rules.adafactor.rects`),
     each in a fixed order (:func:`zerompi.rules.adafactor.sumsq_numpy`), as the
-    optimizer adds them."""
+    optimizer adds them; ``V = (R / max(mean(R), eps1)) C^T``, the optimizer's order
+    (torch divides the outer product ``R C^T``: within an ulp)."""
 
     def __init__(
         self, params: Mapping[str, np.ndarray], *, lr: float = 1e-2, beta2_decay: float = -0.8,
