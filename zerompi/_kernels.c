@@ -318,7 +318,7 @@ static inline double exact_reciprocal_f64(double d)
  * `w` elements each, row-major and contiguous (parts of rows of a wider matrix come
  * one row at a time). The numpy functions there compute the same bits. The gradient
  * is averaged where it is read, never written back averaged: each loop computes
- * g / div (div 1: g as is) as Q(g), so AF_SUMS only reads g.
+ * g / div as Q(g), so AF_SUMS only reads g.
  *
  * AF_SUMS: rowsum[i] = the float64 sum of the squares of row i's quotients, in
  * STATS_LOOP's order (LANES lanes over the whole groups, the tail, then the lanes),
@@ -328,9 +328,8 @@ static inline double exact_reciprocal_f64(double d)
  * square root per element (r[i] / denom once per row), which bound this loop.
  * AF_APPLY: p = p * decay (when `decays`), then p = p + u * scale, in T.
  *
- * Q is AF_SAME (div 1), AF_MUL (a power-of-two div: its exact reciprocal multiplies,
- * the division's bits) or AF_DIV; one loop body per way, each branch-free. */
-#define AF_SAME(x) (x)
+ * Q is AF_MUL (a power-of-two div, 1 included: its exact reciprocal multiplies, the
+ * division's bits) or AF_DIV; one loop body per way, each branch-free. */
 #define AF_MUL(x) ((x) * rdiv)
 #define AF_DIV(x) ((x) / div)
 #define AF_ROW_SUMS(Q)                                                                   \
@@ -360,9 +359,7 @@ static inline double exact_reciprocal_f64(double d)
         for (Py_ssize_t j = 0; j < w; j++) colsum[j] = 0.0;                              \
         for (Py_ssize_t i = 0; i < rows; i++) {                                          \
             const T *restrict r = g + i * w;                                             \
-            if (div == (T)1)                                                             \
-                AF_ROW_SUMS(AF_SAME);                                                    \
-            else if (rdiv != (T)0)                                                       \
+            if (rdiv != (T)0)                                                            \
                 AF_ROW_SUMS(AF_MUL);                                                     \
             else                                                                         \
                 AF_ROW_SUMS(AF_DIV);                                                     \

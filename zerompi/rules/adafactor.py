@@ -331,7 +331,7 @@ class Adafactor(Rule):
                     mat.cols *= keep
                     mat.cols += col_mean * w
                     mat.mean = dt(np.mean(mat.rows))
-                eps1 = c.eps1 if c.eps1 is not None else float(np.finfo(dt).eps)
+                eps1 = _eps1(c, dt)
                 t.denoms = np.array([max(mat.mean, dt(eps1))  # type: ignore[union-attr]
                                      for mat in t.matrices[t.k0 :]], dt)  # fmt: skip
             rms_x = math.sqrt(first[layout.sumsq[t.key]] / t.size)
@@ -355,8 +355,7 @@ class Adafactor(Rule):
                 index = layout.index[t.key]
                 if t.matrices and chosen is not None:
                     dt = piece.grad.dtype.type
-                    eps1 = t.config.eps1
-                    eps1 = eps1 if eps1 is not None else float(np.finfo(piece.grad.dtype).eps)
+                    eps1 = _eps1(t.config, dt)
                     second[index] = _kernels().af_u_range(
                         piece.grad[lo - piece.offset : hi - piece.offset], lo - t.offset,
                         t.shape[-2], t.shape[-1], t.rows, t.cols, t.denoms, t.k0,
@@ -381,7 +380,7 @@ class Adafactor(Rule):
         parameters (``g`` the gradient there, at most :data:`CHUNK` long: a matrix's
         summed, averaged here by ``divisor``; a vector's averaged already), in place."""
         dt = g.dtype.type
-        eps1 = t.config.eps1 if t.config.eps1 is not None else float(np.finfo(g.dtype).eps)
+        eps1 = _eps1(t.config, dt)
         floor = dt(eps1 * eps1)
         if t.vector is not None:
             v = t.vector[first - t.vector_at : first - t.vector_at + g.shape[0]]
@@ -475,6 +474,11 @@ def _tensors(piece: Piece, params: Sequence[Any]) -> dict[tuple[str, int], _Tens
             out[(dtype, p.offset)] = _Tensor(p.offset, p.size, tuple(p.shape), config, [],
                                              vec, lo, dtype)  # fmt: skip
     return out
+
+
+def _eps1(config: AdafactorConfig, dt: Any) -> float:
+    """``eps1``, by default the machine epsilon of the parameters' dtype ``dt``."""
+    return config.eps1 if config.eps1 is not None else float(np.finfo(dt).eps)
 
 
 def _overlapping(tensors: Tensors, dtype: np.dtype, lo: int, hi: int) -> Iterator[_Tensor]:
